@@ -1,0 +1,858 @@
+"""
+gpt2.py - GPT-2 (124M and friends) in one file: the model, the data, a single-process trainer, and
+the small shared toolkit every technique file of this project imports (and nothing else of ours).
+
+The idea: one exact, readable GPT-2, weight-compatible with OpenAI's, trained the way llm.c and
+modded-nanogpt train it. Every distributed technique (ddp.py, fsdp2.py, tensor_parallel.py, ...)
+reuses this model and this data loader, so with the same seed and the same global batch each of them
+must reproduce this file's loss curve step by step: that equality is how we know they are right.
+
+    tokens (B,T) --wte+wpe--> x --[Block]*L--> ln_f --lm_head (tied to wte)--> logits (B,T,50257)
+    Block:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))           (pre-LayerNorm, GELU-tanh)
+
+    data:  DIR/*train*.bin, DIR/*val*.bin   (256 x int32 header: 20240520, 1, n_tokens; then uint16)
+    step:  one contiguous global batch of world*B*T+1 tokens; rank r takes rows [r*B, (r+1)*B)
+           -> the union over ranks is exactly the single-process batch, for any world size
+
+Launch:
+    python gpt2.py prepare shakespeare                  # or: prepare --text FILE --out DIR (offline)
+    python gpt2.py train                                # tiny model on CPU, a first run in a minute
+    python gpt2.py train --model gpt2 --data data/fineweb10B --batch-size 16 --grad-accum 32 --compile
+    python gpt2.py sample --init-from gpt2 --prompt "Hello, I'm a language model,"
+    python gpt2.py hellaswag --init-from gpt2
+
+References: Radford et al. 2019 (GPT-2); Karpathy's nanoGPT, llm.c and build-nanogpt; Keller Jordan's
+modded-nanogpt (the shard format and the 3.28 FineWeb speedrun target).
+"""
+import argparse
+import contextlib
+import datetime
+import glob
+import json
+import math
+import os
+import resource
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# ----------------------------------------------------------------------------------------------------
+# Model
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest context (rows of wpe)
+    vocab_size: int = 50257  # real GPT-2 tokens; logits are returned for these only
+    padded_vocab: int = 50304  # rows of wte/lm_head: a multiple of 128 makes the head matmul fast
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+
+
+MODELS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(block_size=256, n_layer=4, n_head=4, n_embd=128),
+    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        assert cfg.n_embd % cfg.n_head == 0, "n_embd must be divisible by n_head"
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v packed as in OpenAI's weights
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.c_proj.residual_scale = True
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        # heads are counted from the width, so a tensor-parallel rank holding a slice of the heads
+        # runs this same code on its local heads
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention on CUDA
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.c_proj.residual_scale = True
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2 used the tanh GELU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2. Cut it up with embed / forward_blocks(start, end) / head_loss: pipeline stages and
+    sharding units use these pieces, so every technique runs the very same arithmetic."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.padded_vocab, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as in GPT-2: one matrix reads and writes tokens
+        self.activation_checkpointing = False
+        self.apply(self._init_weights)
+
+    def _init_weights(self, m):
+        if isinstance(m, nn.Linear):
+            # GPT-2 section 2.3: scale residual projections by 1/sqrt(N) with N = 2 adds per block,
+            # so the residual stream's variance does not grow with depth
+            std = 0.02 * (2 * self.config.n_layer) ** -0.5 if getattr(m, "residual_scale", False) else 0.02
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())  # the tied matrix is counted once
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def embed(self, idx):
+        T = idx.size(1)
+        assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
+        return self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+
+    def forward_blocks(self, x, start=0, end=None):
+        for block in self.h[start:end]:
+            if self.activation_checkpointing and self.training:
+                # keep only the block's input; recompute its insides in backward (memory for FLOPs)
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return x
+
+    def logits(self, x):
+        """(..., padded_vocab) logits whose padding columns are -inf: the 47 extra rows exist only
+        for matmul speed, so they never win a sample and never enter the softmax, exactly as in
+        OpenAI's 50257-token model (and the logits stay contiguous, which keeps the softmax fast)."""
+        logits = self.lm_head(self.ln_f(x))
+        logits[..., self.config.vocab_size:] = float("-inf")
+        return logits
+
+    def head_loss(self, x, targets):
+        """Mean next-token cross-entropy from the last block's hidden states."""
+        return cross_entropy(self.logits(x), targets)
+
+    def forward(self, idx, targets=None):
+        x = self.forward_blocks(self.embed(idx))
+        if targets is None:
+            return self.logits(x[:, [-1], :]), None  # sampling needs the last position only
+        logits = self.logits(x)
+        return logits, cross_entropy(logits, targets)
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir: str) -> "GPT":
+        """OpenAI's weights in the Hugging Face layout: a name ("gpt2", "gpt2-medium", ...) is
+        downloaded once to data/weights/NAME; a local directory needs config.json plus
+        model.safetensors or pytorch_model.bin."""
+        d = name_or_dir
+        if not os.path.isdir(d):
+            if name_or_dir not in MODELS or name_or_dir == "tiny":
+                raise ValueError(f"{name_or_dir!r} is neither a directory nor one of gpt2, gpt2-medium, gpt2-large, gpt2-xl")
+            d = os.path.join("data", "weights", name_or_dir)
+            for f in ("config.json", "model.safetensors"):
+                download(f"https://huggingface.co/{name_or_dir}/resolve/main/{f}", os.path.join(d, f),
+                         offline_hint="pass a local directory holding config.json and model.safetensors")
+        with open(os.path.join(d, "config.json")) as f:
+            hf = json.load(f)
+        cfg = GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
+                        n_head=hf["n_head"], n_embd=hf["n_embd"],
+                        padded_vocab=math.ceil(hf["vocab_size"] / 128) * 128)
+        if os.path.exists(os.path.join(d, "model.safetensors")):
+            sd = load_safetensors(os.path.join(d, "model.safetensors"))
+        elif os.path.exists(os.path.join(d, "pytorch_model.bin")):
+            sd = torch.load(os.path.join(d, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        else:
+            raise FileNotFoundError(f"{d} holds neither model.safetensors nor pytorch_model.bin")
+        model = cls(cfg)
+        ours = model.state_dict()
+        # OpenAI's Conv1D stores Linear weights as (in, out): transpose them
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        seen = set()
+        for k, v in sd.items():
+            k = k.removeprefix("transformer.")
+            if k.endswith((".attn.bias", ".attn.masked_bias")) or k == "lm_head.weight":
+                continue  # causal-mask buffers, and the head that is tied to wte
+            if k not in ours:
+                raise KeyError(f"unexpected tensor {k!r} in {d}")
+            v = v.float()
+            if k.endswith(conv1d):
+                v = v.t()
+            with torch.no_grad():
+                if k == "wte.weight":
+                    ours[k].zero_()
+                    ours[k][: v.size(0)].copy_(v)
+                else:
+                    if ours[k].shape != v.shape:
+                        raise ValueError(f"{k}: shape {tuple(v.shape)} in {d}, model wants {tuple(ours[k].shape)}")
+                    ours[k].copy_(v)
+            seen.add(k)
+        missing = set(ours) - seen - {"lm_head.weight"}
+        if missing:
+            raise KeyError(f"{d} lacks {sorted(missing)[:5]}")
+        return model
+
+
+def cross_entropy(logits, targets):
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def load_safetensors(path):
+    """The safetensors layout: 8-byte little-endian header length, a JSON header of
+    {name: {dtype, shape, data_offsets}}, then the raw bytes."""
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for k, meta in header.items():
+        if k == "__metadata__":
+            continue
+        start, end = meta["data_offsets"]
+        out[k] = torch.frombuffer(bytearray(data[start:end]), dtype=dtypes[meta["dtype"]]).reshape(meta["shape"])
+    return out
+
+
+def build_model(args) -> GPT:
+    """The model every file trains: MODELS[args.model] with the --n-layer/--n-head/--n-embd overrides,
+    initialised from --seed (so every rank and every technique starts from the same weights)."""
+    cfg = model_config(args)
+    torch.manual_seed(args.seed)
+    model = GPT.from_pretrained(args.init_from) if getattr(args, "init_from", None) else GPT(cfg)
+    model.activation_checkpointing = args.activation_checkpointing
+    return model
+
+
+def model_config(args) -> GPTConfig:
+    if args.model not in MODELS:
+        raise ValueError(f"--model {args.model!r}: choose one of {', '.join(MODELS)}")
+    base = MODELS[args.model]
+    cfg = GPTConfig(**{**base.__dict__, **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")
+                                              if getattr(args, k, None) is not None}})
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
+    if args.seq_len > cfg.block_size:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's context {cfg.block_size}")
+    return cfg
+
+
+def optimizer_groups(model, weight_decay):
+    """Decay 2-D weights (matmuls, embeddings) only; biases and LayerNorm gains are left alone."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def make_adamw(params_or_groups, args, device):
+    return torch.optim.AdamW(params_or_groups, lr=args.lr, betas=(0.9, args.beta2), eps=1e-8,
+                             fused=device.type == "cuda")
+
+
+def lr_at(step, args):
+    """Linear warmup for --warmup steps, then cosine decay to 10% of --lr at the last step."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    min_lr = 0.1 * args.lr
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - min_lr)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data: the speedrun's shard format and a loader whose global batch does not depend on world size
+
+MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
+EOT = 50256  # <|endoftext|>, put before every document
+
+
+def write_shard(path, tokens):
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError(f"{path}: tokens must lie in [0, 65535] to be stored as uint16")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (MAGIC, VERSION, tokens.size)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:  # write aside, then rename: a crash never leaves half a shard
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.uint16).tobytes())
+    os.replace(tmp, path)
+
+
+def read_shard(path, vocab_size=None):
+    """Memory-map a shard's tokens after checking the header, the file size and the token range."""
+    size = os.path.getsize(path)
+    if size < HEADER_INTS * 4:
+        raise ValueError(f"{path}: {size} bytes is shorter than the {HEADER_INTS * 4}-byte header")
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    if header[0] != MAGIC:
+        raise ValueError(f"{path}: magic {header[0]} != {MAGIC}; not a GPT-2 token shard (prepare it with gpt2.py prepare)")
+    if header[1] != VERSION:
+        raise ValueError(f"{path}: version {header[1]} != {VERSION}")
+    n = int(header[2])
+    if size != HEADER_INTS * 4 + 2 * n:
+        raise ValueError(f"{path}: header says {n} tokens ({HEADER_INTS * 4 + 2 * n} bytes) but the file has {size} bytes")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_INTS * 4, shape=(n,))
+    if vocab_size is not None and n and int(tokens.max()) >= vocab_size:
+        raise ValueError(f"{path}: token id {int(tokens.max())} >= vocab size {vocab_size}")
+    return tokens
+
+
+class DataLoader:
+    """Each call reads one contiguous global batch of world*B*T+1 tokens and returns this rank's rows;
+    shards are read in sorted order and wrap around. state_dict() makes it resumable."""
+
+    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world=1, vocab_size=50257):
+        self.files = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.bin")))
+        if not self.files:
+            raise FileNotFoundError(f"no {split} shards (*{split}*.bin) in {data_dir!r}: run "
+                                    f"`python gpt2.py prepare shakespeare` or `prepare --text FILE --out {data_dir}`")
+        self.B, self.T, self.rank, self.world, self.vocab_size = batch_size, seq_len, rank, world, vocab_size
+        self.load_state_dict({"shard": 0, "pos": 0})
+
+    def state_dict(self):
+        return {"shard": self.shard, "pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.shard, self.pos = state["shard"], state["pos"]
+        self.tokens = read_shard(self.files[self.shard], self.vocab_size)
+        self._check_fits()
+
+    def _check_fits(self):
+        need = self.world * self.B * self.T + 1
+        if len(self.tokens) < need:
+            raise ValueError(f"{self.files[self.shard]} has {len(self.tokens)} tokens, fewer than one global "
+                             f"batch ({self.world} ranks x {self.B} x {self.T} + 1 = {need}): lower --batch-size/--seq-len")
+
+    def next_batch(self):
+        span = self.world * self.B * self.T
+        if self.pos + span + 1 > len(self.tokens):
+            self.shard = (self.shard + 1) % len(self.files)
+            self.pos = 0
+            self.tokens = read_shard(self.files[self.shard], self.vocab_size)
+            self._check_fits()
+        lo = self.pos + self.rank * self.B * self.T
+        buf = torch.from_numpy(self.tokens[lo: lo + self.B * self.T + 1].astype(np.int64))
+        self.pos += span
+        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
+
+
+def download(url, path, offline_hint):
+    """Fetch url to path once; a failed or interrupted download leaves nothing behind."""
+    if os.path.exists(path):
+        return path
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".part"
+    print(f"downloading {url}")
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r, open(tmp, "wb") as f:
+            while chunk := r.read(1 << 20):
+                f.write(chunk)
+    except Exception as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise RuntimeError(f"could not download {url} ({e}); offline? {offline_hint}") from None
+    os.replace(tmp, path)
+    return path
+
+
+def get_tokenizer():
+    import tiktoken
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:
+        raise RuntimeError(f"could not load tiktoken's GPT-2 BPE ({e}). Offline, set TIKTOKEN_CACHE_DIR to a "
+                           f"directory holding tiktoken's cache (this project's CI uses ../shared/tiktoken)") from None
+
+
+def prepare_text(text_file, out_dir):
+    """Any local text: a 90/10 split on characters (as nanoGPT does), GPT-2 tokens, one shard each."""
+    enc = get_tokenizer()
+    with open(text_file, encoding="utf-8") as f:
+        text = f.read()
+    cut = int(0.9 * len(text))
+    for split, part in (("train", text[:cut]), ("val", text[cut:])):
+        tokens = np.array(enc.encode_ordinary(part), dtype=np.uint16)
+        write_shard(os.path.join(out_dir, f"{split}_000000.bin"), tokens)
+        print(f"{split}: {len(tokens):,} tokens -> {out_dir}")
+
+
+def prepare_fineweb10b(out_dir, shards):
+    """The speedrun's pre-tokenized FineWeb-10B: 100M-token shards, shard 0 is val."""
+    base = "https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main/"
+    names = ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, shards + 1)]
+    for name in names:
+        download(base + name, os.path.join(out_dir, name), offline_hint="copy the shards into --out by hand")
+        read_shard(os.path.join(out_dir, name))  # verify the header before trusting it
+
+
+def _tokenize_doc(doc):
+    import tiktoken
+    return np.array([EOT] + tiktoken.get_encoding("gpt2").encode_ordinary(doc["text"]), dtype=np.uint16)
+
+
+def prepare_fineweb_edu(out_dir, shards, shard_tokens=100_000_000):
+    """Tokenize HuggingFaceFW/fineweb-edu sample-10BT with all cores; shard 0 is val."""
+    import multiprocessing as mp
+    try:
+        from datasets import load_dataset
+        from tqdm import tqdm
+    except ImportError:
+        raise RuntimeError("prepare fineweb-edu needs `pip install datasets`") from None
+    get_tokenizer()  # fail early, offline
+    ds = load_dataset("HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train", streaming=True)
+    buf, fill, shard = np.empty(shard_tokens, dtype=np.uint16), 0, 0
+    with mp.Pool(max(1, os.cpu_count() - 1)) as pool:
+        bar = tqdm(total=shard_tokens, unit="tok", desc="shard 0")
+        for toks in pool.imap(_tokenize_doc, ds, chunksize=16):
+            while len(toks):
+                take = min(len(toks), shard_tokens - fill)
+                buf[fill: fill + take], fill, toks = toks[:take], fill + take, toks[take:]
+                bar.update(take)
+                if fill == shard_tokens:
+                    split = "val" if shard == 0 else "train"
+                    write_shard(os.path.join(out_dir, f"fineweb-edu_{split}_{shard:06d}.bin"), buf)
+                    shard, fill = shard + 1, 0
+                    if shard > shards:
+                        return
+                    bar = tqdm(total=shard_tokens, unit="tok", desc=f"shard {shard}")
+
+
+def prepare(argv):
+    p = argparse.ArgumentParser(prog="gpt2.py prepare", description="Tokenize a corpus into GPT-2 token shards.")
+    p.add_argument("name", nargs="?", choices=["shakespeare", "fineweb10B", "fineweb-edu"],
+                   help="a named corpus to download (needs network); omit it and pass --text for a local file")
+    p.add_argument("--text", help="a local UTF-8 text file to tokenize (works offline)")
+    p.add_argument("--out", help="output directory (default data/NAME)")
+    p.add_argument("--shards", type=int, default=8, help="train shards of 100M tokens (fineweb); 103 = all 10B")
+    a = p.parse_args(argv)
+    if a.text:
+        return prepare_text(a.text, a.out or "data/text")
+    if a.name == "shakespeare":
+        url = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+        out = a.out or "data/shakespeare"
+        src = download(url, os.path.join(out, "input.txt"), offline_hint="pass --text FILE --out DIR with a local copy")
+        return prepare_text(src, out)
+    if a.name == "fineweb10B":
+        return prepare_fineweb10b(a.out or "data/fineweb10B", a.shards)
+    if a.name == "fineweb-edu":
+        return prepare_fineweb_edu(a.out or "data/fineweb-edu", a.shards)
+    p.error("name a corpus or pass --text FILE")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shared CLI, process setup and metrics
+
+
+def make_parser(description):
+    """The one parser every file starts from; files add their own flags to it."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--model", default="tiny", help=f"model size: {', '.join(MODELS)}")
+    a("--n-layer", type=int, help="override the model's number of blocks")
+    a("--n-head", type=int, help="override the model's number of attention heads")
+    a("--n-embd", type=int, help="override the model's width")
+    a("--init-from", help="start from pretrained weights: gpt2, gpt2-medium, ... or a HF-layout directory")
+    a("--data", default="data/shakespeare", help="directory with *train*.bin and *val*.bin shards")
+    a("--steps", type=int, default=200, help="optimizer steps")
+    a("--batch-size", type=int, default=8, help="sequences per data-parallel rank per micro-step")
+    a("--seq-len", type=int, default=256, help="tokens per sequence")
+    a("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    a("--lr", type=float, default=1e-3, help="peak learning rate (GPT-2 124M: 6e-4)")
+    a("--warmup", type=int, default=20, help="linear warmup steps")
+    a("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay on 2-D weights")
+    a("--beta2", type=float, default=0.95, help="AdamW beta2")
+    a("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0 = off)")
+    a("--seed", type=int, default=1337, help="seed of the weights (identical on every rank)")
+    a("--eval-every", type=int, default=50, help="validation loss every N steps (0 = never)")
+    a("--eval-steps", type=int, default=10, help="batches per validation")
+    a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
+    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="autocast dtype; auto = bf16 on CUDA, fp32 on CPU")
+    a("--compile", action="store_true", help="torch.compile the model")
+    a("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    a("--profile", type=int, default=0, help="write a torch.profiler trace of N steps to OUT/trace.json")
+    a("--timeout", type=int, default=300, help="seconds a collective may wait before the job fails")
+    a("--out", default="out", help="directory for metrics.jsonl, loss.png and checkpoints")
+    return p
+
+
+@dataclass
+class Context:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    dtype: torch.dtype
+    master: bool
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+
+def setup(args) -> Context:
+    """Read torchrun's environment, pick the device and backend (NCCL on CUDA, gloo on CPU), start the
+    process group with a timeout (a missing peer fails the job instead of hanging it)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda but no GPU is visible")
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype, torch.bfloat16 if use_cuda else torch.float32)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout),
+                                **({"device_id": device} if use_cuda else {}))
+    os.makedirs(args.out, exist_ok=True)
+    return Context(rank, world, local_rank, device, dtype, rank == 0)
+
+
+def print0(*a, **k):
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*a, **k, flush=True)
+
+
+def check_finite(loss, step):
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"loss is {loss} at step {step}: lower --lr, raise --warmup, or check the data")
+
+
+class CommMeter:
+    """Bytes this rank sends, under the bandwidth-optimal algorithm for each collective (ring):
+    all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S with S the full tensor's bytes,
+    all-to-all and point-to-point: the bytes that leave the rank."""
+
+    def __init__(self):
+        self.bytes = 0.0
+
+    def all_reduce(self, nbytes, n):
+        self.bytes += 2 * (n - 1) / n * nbytes
+
+    def all_gather(self, full_nbytes, n):
+        self.bytes += (n - 1) / n * full_nbytes
+
+    reduce_scatter = all_gather
+
+    def send(self, nbytes):
+        self.bytes += nbytes
+
+    all_to_all = send
+
+    def take_mb(self):
+        mb, self.bytes = self.bytes / 1e6, 0.0
+        return mb
+
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 tensor-core peaks
+
+
+def flops_per_token(cfg: GPTConfig, n_params, seq_len):
+    """6N for the matmuls with parameters (forward 2N, backward 4N) plus 12*L*H*Q*T for attention
+    (PaLM appendix B), with N the non-embedding parameters, Q the head size, T the sequence length."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * seq_len
+
+
+def peak_memory_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e6
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3  # kB on Linux: the process's peak RSS
+
+
+class Metrics:
+    """OUT/metrics.jsonl (one line per step and per validation) and OUT/loss.png, written by rank 0."""
+
+    def __init__(self, args, ctx: Context, cfg: GPTConfig, n_params, tokens_per_step):
+        self.args, self.ctx, self.records = args, ctx, []
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_step = flops_per_token(cfg, n_params, args.seq_len) * tokens_per_step
+        name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
+        self.peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+        self.path = os.path.join(args.out, "metrics.jsonl")
+        if ctx.master:
+            open(self.path, "w").close()
+        self.t0 = None
+
+    def start_step(self):
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.t0 = time.perf_counter()
+
+    def log_step(self, step, loss, lr, comm_mb=0.0, **extra):
+        """Call after the optimizer step with the global mean loss; prints a nanoGPT-style line."""
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - self.t0
+        tok_s = self.tokens_per_step / dt
+        mfu = self.flops_per_step / dt / (self.ctx.world * self.peak) if self.peak else None
+        rec = {"step": step, "loss": loss, "lr": lr, "tokens": (step + 1) * self.tokens_per_step,
+               "dt_ms": dt * 1e3, "tok_per_s": tok_s, "mfu": mfu,
+               "peak_mem_mb": peak_memory_mb(self.ctx.device), "comm_mb": comm_mb, **extra}
+        self._write(rec)
+        mfu_s = f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""
+        print0(f"step {step:5d} | loss {loss:.6f} | lr {lr:.2e} | {dt * 1e3:7.1f} ms | {tok_s:9.0f} tok/s{mfu_s} | comm {comm_mb:.2f} MB")
+        return rec
+
+    def log_val(self, step, val_loss):
+        self._write({"step": step, "val_loss": val_loss})
+        print0(f"step {step:5d} | val loss {val_loss:.6f}")
+
+    def _write(self, rec):
+        self.records.append(rec)
+        if self.ctx.master:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def plot(self, name="loss.png"):
+        if not self.ctx.master:
+            return
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        tr = [(r["step"], r["loss"]) for r in self.records if "loss" in r]
+        va = [(r["step"], r["val_loss"]) for r in self.records if "val_loss" in r]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        if tr:
+            ax.plot(*zip(*tr), label="train")
+        if va:
+            ax.plot(*zip(*va), "o-", label="val")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(os.path.join(self.args.out, name), dpi=100)
+        plt.close(fig)
+
+
+class Profiler:
+    """--profile N: trace steps 1..N (step 0 warms up) to OUT/trace.json, open it in Perfetto."""
+
+    def __init__(self, args, ctx: Context):
+        self.n, self.prof, self.path = args.profile, None, os.path.join(args.out, f"trace_rank{ctx.rank}.json" if ctx.world > 1 else "trace.json")
+
+    def step(self, step):
+        if not self.n:
+            return
+        if step == 1:
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = torch.profiler.profile(activities=acts, record_shapes=True)
+            self.prof.__enter__()
+        elif self.prof is not None and step == 1 + self.n:
+            self.prof.__exit__(None, None, None)
+            self.prof.export_chrome_trace(self.path)
+            print0(f"profiler trace -> {self.path}")
+            self.prof = None
+
+
+@torch.no_grad()
+def evaluate(loss_fn, loader: DataLoader, steps, device):
+    """Mean validation loss over `steps` batches from the start of the val split. loss_fn(x, y) -> loss;
+    with a process group the ranks' means are averaged, which equals the single-process mean."""
+    loader.load_state_dict({"shard": 0, "pos": 0})
+    total = torch.zeros((), device=device)
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        total += loss_fn(x.to(device), y.to(device)).float()
+    total /= steps
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        total /= dist.get_world_size()
+    return total.item()
+
+
+def make_loaders(args, rank=0, world=1, vocab_size=50257):
+    """Train and val loaders for data-parallel rank `rank` of `world`. The default data directory is
+    prepared on first use by a single process; with several ranks it must exist already."""
+    if args.data == "data/shakespeare" and not glob.glob(os.path.join(args.data, "*train*.bin")):
+        if world > 1:
+            raise FileNotFoundError("no data in data/shakespeare: run `python gpt2.py prepare shakespeare` first")
+        prepare(["shakespeare"])
+    return (DataLoader(args.data, "train", args.batch_size, args.seq_len, rank, world, vocab_size),
+            DataLoader(args.data, "val", args.batch_size, args.seq_len, rank, world, vocab_size))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampling and HellaSwag
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=50):
+    for _ in range(max_new_tokens):
+        logits, _ = model(idx[:, -model.config.block_size:])
+        logits = logits[:, -1, :] / temperature
+        if top_k:
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+            logits = logits.masked_fill(logits < kth, -float("inf"))
+        idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
+    return idx
+
+
+def load_for_inference(init_from, device):
+    """A pretrained name, a HF-layout directory, or a model.pt written by `gpt2.py train`."""
+    if init_from.endswith(".pt"):
+        ck = torch.load(init_from, map_location="cpu", weights_only=True)
+        model = GPT(GPTConfig(**ck["config"]))
+        model.load_state_dict(ck["model"])
+    else:
+        model = GPT.from_pretrained(init_from)
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def hellaswag_predict(model, enc, example, device):
+    """Completion-style scoring: the ending with the lowest mean loss per token wins (acc_norm);
+    the lowest total loss gives plain acc."""
+    ctx = enc.encode(example["ctx"])
+    rows = [ctx + enc.encode(" " + e) for e in example["endings"]]
+    T = max(len(r) for r in rows)
+    tok = torch.zeros(4, T, dtype=torch.long)
+    mask = torch.zeros(4, T)
+    for i, r in enumerate(rows):
+        tok[i, : len(r)] = torch.tensor(r)
+        mask[i, len(ctx): len(r)] = 1
+    tok, mask = tok.to(device), mask.to(device)
+    x = model.forward_blocks(model.embed(tok))
+    logits = model.logits(x).float()
+    losses = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), tok[:, 1:].reshape(-1), reduction="none").view(4, -1)
+    losses = losses * mask[:, 1:]
+    total = losses.sum(1)
+    return int(total.argmin()), int((total / mask[:, 1:].sum(1)).argmin())
+
+
+def hellaswag(argv):
+    p = argparse.ArgumentParser(prog="gpt2.py hellaswag", description="HellaSwag validation accuracy (10,042 examples).")
+    p.add_argument("--init-from", default="gpt2", help="gpt2..., a HF-layout directory, or OUT/model.pt")
+    p.add_argument("--file", default="data/hellaswag/hellaswag_val.jsonl", help="the val jsonl (downloaded if missing)")
+    p.add_argument("--limit", type=int, default=0, help="score only the first N examples (0 = all)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    a = p.parse_args(argv)
+    if not os.path.exists(a.file):
+        download("https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl", a.file,
+                 offline_hint="pass --file with a local copy of hellaswag_val.jsonl")
+    model, enc = load_for_inference(a.init_from, torch.device(a.device)), get_tokenizer()
+    n = acc = acc_norm = 0
+    with open(a.file) as f:
+        for line in f:
+            ex = json.loads(line)
+            pred, pred_norm = hellaswag_predict(model, enc, ex, torch.device(a.device))
+            n, acc, acc_norm = n + 1, acc + (pred == ex["label"]), acc_norm + (pred_norm == ex["label"])
+            if n == a.limit:
+                break
+    print(f"hellaswag: {n} examples | acc {acc / n:.4f} | acc_norm {acc_norm / n:.4f}")
+    return acc / n, acc_norm / n
+
+
+def sample(argv):
+    p = argparse.ArgumentParser(prog="gpt2.py sample", description="Sample text from a model.")
+    p.add_argument("--init-from", default="out/model.pt", help="gpt2..., a HF-layout directory, or OUT/model.pt")
+    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("--num-samples", type=int, default=3, help="how many continuations")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens per continuation")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens")
+    p.add_argument("--seed", type=int, default=42, help="sampling seed")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    a = p.parse_args(argv)
+    torch.manual_seed(a.seed)
+    model, enc = load_for_inference(a.init_from, torch.device(a.device)), get_tokenizer()
+    idx = torch.tensor([enc.encode(a.prompt, allowed_special={"<|endoftext|>"})] * a.num_samples, device=a.device)
+    for row in generate(model, idx, a.max_new_tokens, a.temperature, a.top_k).tolist():
+        print(enc.decode(row), "\n" + "-" * 40)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Single-process training
+
+
+def train(argv=None):
+    args = make_parser("Train GPT-2 in one process (see ddp.py for several).").parse_args(argv)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        sys.exit("gpt2.py trains in one process; for several use `torchrun --nproc_per_node=N ddp.py` (same flags)")
+    ctx = setup(args)
+    model = build_model(args).to(ctx.device)
+    cfg = model.config
+    train_loader, val_loader = make_loaders(args, vocab_size=cfg.vocab_size)
+    opt = make_adamw(optimizer_groups(model, args.weight_decay), args, ctx.device)
+    fwd = torch.compile(model) if args.compile else model
+    metrics = Metrics(args, ctx, cfg, model.num_params(), args.batch_size * args.seq_len * args.grad_accum)
+    profiler = Profiler(args, ctx)
+    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | device {ctx.device} {ctx.dtype}")
+
+    def val_loss_fn(x, y):
+        with ctx.autocast():
+            return fwd(x, y)[1]
+
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = lr_at(step, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss_sum = torch.zeros((), device=ctx.device)
+        for _ in range(args.grad_accum):
+            x, y = train_loader.next_batch()
+            with ctx.autocast():
+                _, loss = fwd(x.to(ctx.device), y.to(ctx.device))
+            loss = loss / args.grad_accum  # the gradient of the mean over all micro-batches
+            loss_sum += loss.detach()
+            loss.backward()
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_val = loss_sum.item()
+        check_finite(loss_val, step)
+        metrics.log_step(step, loss_val, lr)
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            model.eval()
+            metrics.log_val(step, evaluate(val_loss_fn, val_loader, args.eval_steps, ctx.device))
+            model.train()
+    torch.save({"config": cfg.__dict__, "model": model.state_dict()}, os.path.join(args.out, "model.pt"))
+    metrics.plot()
+    print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
+
+
+if __name__ == "__main__":
+    commands = {"train": train, "prepare": prepare, "sample": sample, "hellaswag": hellaswag}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        sys.exit(f"usage: python gpt2.py {{{','.join(commands)}}} [flags]   (add -h to a command for its flags)")
+    commands[sys.argv[1]](sys.argv[2:])

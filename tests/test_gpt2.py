@@ -1,0 +1,264 @@
+"""The foundation: model, HF-layout loader, shards, loader, schedule, metrics and a real CPU run."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import gpt2
+from harness import read_metrics, run_cli
+
+TINY = gpt2.GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def test_gpt2_124m_parameter_count_and_init():
+    torch.manual_seed(0)
+    m = gpt2.GPT(gpt2.MODELS["gpt2"])
+    # 124,439,808 for OpenAI's 50257-row vocab, plus 47 padding rows of 768
+    assert m.num_params(non_embedding=False) == 124_439_808 + 47 * 768
+    assert m.lm_head.weight is m.wte.weight
+    assert abs(m.h[0].mlp.c_fc.weight.std().item() - 0.02) < 1e-3
+    assert abs(m.h[0].mlp.c_proj.weight.std().item() - 0.02 / math.sqrt(24)) < 3e-4
+    assert m.h[0].attn.c_attn.bias.abs().max() == 0
+
+
+def test_forward_pieces_causality_and_padding():
+    torch.manual_seed(0)
+    m = gpt2.GPT(TINY)
+    idx = torch.randint(0, 50257, (2, 16))
+    logits, loss = m(idx, idx)
+    assert logits.shape == (2, 16, 50304)
+    assert torch.isinf(logits[..., 50257:]).all() and torch.isfinite(logits[..., :50257]).all()
+    x = m.forward_blocks(m.forward_blocks(m.embed(idx), 0, 1), 1, None)
+    assert torch.allclose(m.head_loss(x, idx), loss)
+    assert abs(loss.item() - math.log(50257)) < 0.5  # a fresh model is near uniform
+    idx2 = idx.clone()
+    idx2[:, 10] = (idx2[:, 10] + 1) % 50257
+    l2, _ = m(idx2, idx2)
+    assert torch.equal(logits[:, :10], l2[:, :10]) and not torch.equal(logits[:, 10:], l2[:, 10:])
+    m.activation_checkpointing = True
+    _, loss_ck = m(idx, idx)
+    loss_ck.backward()
+    assert torch.allclose(loss_ck, loss) and m.wte.weight.grad[50257:].abs().max() == 0
+
+
+# -- HF layout -----------------------------------------------------------------------------------------
+
+def hf_state_dict(cfg, vocab=50257, seed=0):
+    """Random weights laid out as Hugging Face's GPT2LMHeadModel: Conv1D (in, out) weights."""
+    g = torch.Generator().manual_seed(seed)
+    E, sd = cfg.n_embd, {}
+    r = lambda *s: torch.randn(*s, generator=g) * 0.1
+    sd["transformer.wte.weight"], sd["transformer.wpe.weight"] = r(vocab, E), r(cfg.block_size, E)
+    for i in range(cfg.n_layer):
+        p = f"transformer.h.{i}."
+        for ln in ("ln_1", "ln_2"):
+            sd[p + ln + ".weight"], sd[p + ln + ".bias"] = 1 + r(E), r(E)
+        sd[p + "attn.c_attn.weight"], sd[p + "attn.c_attn.bias"] = r(E, 3 * E), r(3 * E)
+        sd[p + "attn.c_proj.weight"], sd[p + "attn.c_proj.bias"] = r(E, E), r(E)
+        sd[p + "mlp.c_fc.weight"], sd[p + "mlp.c_fc.bias"] = r(E, 4 * E), r(4 * E)
+        sd[p + "mlp.c_proj.weight"], sd[p + "mlp.c_proj.bias"] = r(4 * E, E), r(E)
+        sd[p + "attn.bias"] = torch.tril(torch.ones(cfg.block_size, cfg.block_size))[None, None]
+    sd["transformer.ln_f.weight"], sd["transformer.ln_f.bias"] = 1 + r(E), r(E)
+    sd["lm_head.weight"] = sd["transformer.wte.weight"]
+    return sd
+
+
+def reference_logits(sd, cfg, idx):
+    """GPT-2's forward written straight from the HF tensors in float64 numpy, independent of gpt2.py."""
+    w = {k.removeprefix("transformer."): v.double().numpy() for k, v in sd.items()}
+    def ln(x, p):
+        mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+        return (x - mu) / np.sqrt(var + 1e-5) * w[p + ".weight"] + w[p + ".bias"]
+    gelu = lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+    T, H, E = len(idx), cfg.n_head, cfg.n_embd
+    x = w["wte.weight"][idx] + w["wpe.weight"][:T]
+    for i in range(cfg.n_layer):
+        p = f"h.{i}."
+        qkv = ln(x, p + "ln_1") @ w[p + "attn.c_attn.weight"] + w[p + "attn.c_attn.bias"]
+        q, k, v = (a.reshape(T, H, E // H).transpose(1, 0, 2) for a in np.split(qkv, 3, axis=-1))
+        att = q @ k.transpose(0, 2, 1) / np.sqrt(E // H) + np.triu(np.full((T, T), -np.inf), 1)
+        att = np.exp(att - att.max(-1, keepdims=True))
+        y = (att / att.sum(-1, keepdims=True)) @ v
+        x = x + y.transpose(1, 0, 2).reshape(T, E) @ w[p + "attn.c_proj.weight"] + w[p + "attn.c_proj.bias"]
+        h = gelu(ln(x, p + "ln_2") @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"])
+        x = x + h @ w[p + "mlp.c_proj.weight"] + w[p + "mlp.c_proj.bias"]
+    return ln(x, "ln_f") @ w["wte.weight"].T
+
+
+def write_safetensors(path, sd):
+    """The safetensors layout written by hand: u64 header size, JSON header, raw little-endian data."""
+    header, blobs, off = {}, [], 0
+    for k, v in sd.items():
+        b = v.contiguous().numpy().astype("<f4").tobytes()
+        header[k] = {"dtype": "F32", "shape": list(v.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_from_pretrained_hf_layout_matches_reference(tmp_path, fmt):
+    cfg = TINY
+    sd = hf_state_dict(cfg)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"n_positions": cfg.block_size, "vocab_size": 50257, "n_layer": cfg.n_layer,
+                   "n_head": cfg.n_head, "n_embd": cfg.n_embd}, f)
+    if fmt == "safetensors":
+        write_safetensors(tmp_path / "model.safetensors", {k: v for k, v in sd.items() if k != "lm_head.weight"})
+    else:
+        torch.save(sd, tmp_path / "pytorch_model.bin")
+    model = gpt2.GPT.from_pretrained(str(tmp_path)).eval()
+    idx = np.random.default_rng(0).integers(0, 50257, 20)
+    with torch.no_grad():
+        ours = model.logits(model.forward_blocks(model.embed(torch.tensor(idx)[None])))[0, :, :50257]
+    ref = reference_logits(sd, cfg, idx)
+    assert np.abs(ours.double().numpy() - ref).max() < 1e-4
+
+
+# -- data ----------------------------------------------------------------------------------------------
+
+def test_shard_roundtrip_and_corrupt_shards(tmp_path):
+    p = str(tmp_path / "a_train.bin")
+    toks = np.arange(1000) % 50257
+    gpt2.write_shard(p, toks)
+    assert np.array_equal(gpt2.read_shard(p), toks)
+    assert os.path.getsize(p) == 1024 + 2000
+    raw = bytearray(open(p, "rb").read())
+    bad = str(tmp_path / "bad.bin")
+    open(bad, "wb").write(b"\x00" * 10)
+    with pytest.raises(ValueError, match="shorter than"):
+        gpt2.read_shard(bad)
+    open(bad, "wb").write(b"\x01" + raw[1:])
+    with pytest.raises(ValueError, match="magic"):
+        gpt2.read_shard(bad)
+    open(bad, "wb").write(raw[:-6])
+    with pytest.raises(ValueError, match="header says 1000 tokens"):
+        gpt2.read_shard(bad)
+    gpt2.write_shard(bad, [1, 2, 60000])
+    with pytest.raises(ValueError, match="token id 60000"):
+        gpt2.read_shard(bad, vocab_size=50257)
+    with pytest.raises(ValueError, match="uint16"):
+        gpt2.write_shard(bad, [70000])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_loader_rank_slices_equal_single_batch_and_resume(random_data, world):
+    B, T = 8, 16
+    single = gpt2.DataLoader(random_data, "train", B, T)
+    ranks = [gpt2.DataLoader(random_data, "train", B // world, T, r, world) for r in range(world)]
+    for step in range(200):  # 200 * 128 tokens crosses into the second shard and wraps
+        x, y = single.next_batch()
+        parts = [l.next_batch() for l in ranks]
+        assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        if step == 100:
+            state = single.state_dict()
+    assert single.shard == 1 or state["shard"] == 1
+    resumed = gpt2.DataLoader(random_data, "train", B, T)
+    resumed.load_state_dict(state)
+    replay = gpt2.DataLoader(random_data, "train", B, T)
+    for _ in range(101):
+        replay.next_batch()
+    for _ in range(50):
+        assert torch.equal(resumed.next_batch()[0], replay.next_batch()[0])
+
+
+def test_loader_errors(tmp_path, random_data):
+    with pytest.raises(FileNotFoundError, match="prepare"):
+        gpt2.DataLoader(str(tmp_path), "train", 4, 16)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        gpt2.DataLoader(random_data, "val", 64, 64, 0, 2)
+
+
+def test_download_offline_fails_fast_and_leaves_nothing(tmp_path):
+    dest = str(tmp_path / "x" / "f.bin")
+    with pytest.raises(RuntimeError, match="pass --text"):
+        gpt2.download("http://127.0.0.1:9/none", dest, offline_hint="pass --text FILE")
+    assert not os.path.exists(dest) and not os.path.exists(dest + ".part")
+
+
+# -- schedule, metrics ---------------------------------------------------------------------------------
+
+def test_lr_schedule():
+    class A:
+        lr, warmup, steps = 1e-3, 10, 110
+    lrs = [gpt2.lr_at(s, A) for s in range(110)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[60] == pytest.approx(1e-4 + 0.5 * 9e-4)
+    assert gpt2.lr_at(110, A) == pytest.approx(1e-4)
+
+
+def test_comm_meter_and_flops():
+    c = gpt2.CommMeter()
+    c.all_reduce(1000, 4)
+    c.all_gather(1000, 4)
+    c.reduce_scatter(1000, 4)
+    c.send(10)
+    assert c.take_mb() == pytest.approx((1500 + 750 + 750 + 10) / 1e6) and c.take_mb() == 0
+    cfg = gpt2.MODELS["gpt2"]
+    n = gpt2.GPT(TINY).num_params()  # any N: the formula is 6N + 12*L*H*Q*T
+    assert gpt2.flops_per_token(cfg, n, 1024) == 6 * n + 12 * 12 * 768 * 1024
+    with pytest.raises(FloatingPointError, match="step 3"):
+        gpt2.check_finite(float("nan"), 3)
+
+
+def test_hellaswag_scoring_matches_per_ending_loss():
+    torch.manual_seed(0)
+    m = gpt2.GPT(gpt2.GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32)).eval()
+    enc = gpt2.get_tokenizer()
+    ex = {"ctx": "The cat sat on the", "endings": ["mat.", "big red mat of wool", "dog", "a chair by the door"], "label": 0}
+    pred, pred_norm = gpt2.hellaswag_predict(m, enc, ex, torch.device("cpu"))
+    ctx = enc.encode(ex["ctx"])
+    totals, means = [], []
+    for e in ex["endings"]:
+        tok = torch.tensor([ctx + enc.encode(" " + e)])
+        logits, _ = m(tok, tok)
+        lp = torch.log_softmax(logits[0, :-1].double(), -1).gather(-1, tok[0, 1:, None])[:, 0]
+        tail = -lp[len(ctx) - 1:]
+        totals.append(tail.sum().item())
+        means.append(tail.mean().item())
+    assert pred == int(np.argmin(totals)) and pred_norm == int(np.argmin(means))
+
+
+# -- the real thing: a short CPU run on Tiny Shakespeare ---------------------------------------------
+
+def test_cli_train_on_shakespeare_loss_falls(shakespeare, tmp_path):
+    out = str(tmp_path / "O")
+    run_cli(["gpt2.py", "train", "--model", "tiny", "--data", shakespeare, "--steps", "40", "--batch-size", "8",
+             "--seq-len", "64", "--lr", "3e-3", "--warmup", "2", "--device", "cpu", "--dtype", "float32",
+             "--eval-every", "20", "--eval-steps", "2", "--out", out], env={"OMP_NUM_THREADS": "2"})
+    recs = read_metrics(out)
+    steps = [r for r in recs if "loss" in r]
+    assert len(steps) == 40 and len([r for r in recs if "val_loss" in r]) == 2
+    assert set(steps[0]) >= {"step", "loss", "lr", "tokens", "dt_ms", "tok_per_s", "mfu", "peak_mem_mb", "comm_mb"}
+    assert steps[0]["mfu"] is None and steps[-1]["tokens"] == 40 * 8 * 64
+    assert steps[0]["loss"] - np.mean([r["loss"] for r in steps[-5:]]) > 2.0
+    assert os.path.getsize(os.path.join(out, "loss.png")) > 1000
+    proc = run_cli(["gpt2.py", "sample", "--init-from", os.path.join(out, "model.pt"), "--prompt", "ROMEO:",
+                    "--num-samples", "1", "--max-new-tokens", "8", "--device", "cpu"])
+    assert proc.stdout.startswith("ROMEO:") and len(proc.stdout) > len("ROMEO:") + 8
+
+
+def test_gpt2_refuses_several_ranks(random_data, tmp_path):
+    proc = run_cli(["gpt2.py", "train", "--data", random_data, "--out", str(tmp_path)], env={"WORLD_SIZE": "2"}, check=False)
+    assert proc.returncode != 0 and "ddp.py" in proc.stderr
+
+
+def _val_loss_on_ranks(rank, world, data):
+    torch.manual_seed(0)
+    m = gpt2.GPT(TINY)
+    loader = gpt2.DataLoader(data, "val", 8 // world, 16, rank, world)
+    return gpt2.evaluate(lambda x, y: m(x, y)[1], loader, 3, torch.device("cpu"))
+
+
+def test_distributed_val_loss_equals_single_process(random_data):
+    from harness import run_distributed
+    single = _val_loss_on_ranks(0, 1, random_data)
+    both = run_distributed(_val_loss_on_ranks, 2, random_data)
+    assert both[0] == both[1] and abs(both[0] - single) / single < 1e-6
