@@ -425,6 +425,30 @@ def _tokenize_doc(doc):
     return np.array([EOT] + tiktoken.get_encoding("gpt2").encode_ordinary(doc["text"]), dtype=np.uint16)
 
 
+def write_token_stream(docs, out_dir, name, shard_tokens, train_shards):
+    """Cut a stream of tokenized documents into shards of shard_tokens: shard 0 is val, then up to
+    train_shards train shards; a final partial shard is kept. Returns the number of shards written."""
+    buf, fill, shard = np.empty(shard_tokens, dtype=np.uint16), 0, 0
+
+    def flush():
+        split = "val" if shard == 0 else "train"
+        write_shard(os.path.join(out_dir, f"{name}_{split}_{shard:06d}.bin"), buf[:fill])
+
+    for toks in docs:
+        while len(toks):
+            take = min(len(toks), shard_tokens - fill)
+            buf[fill: fill + take], fill, toks = toks[:take], fill + take, toks[take:]
+            if fill == shard_tokens:
+                flush()
+                shard, fill = shard + 1, 0
+                if shard > train_shards:
+                    return shard
+    if fill:
+        flush()
+        shard += 1
+    return shard
+
+
 def prepare_fineweb_edu(out_dir, shards, shard_tokens=100_000_000):
     """Tokenize HuggingFaceFW/fineweb-edu sample-10BT with all cores; shard 0 is val."""
     import multiprocessing as mp
@@ -435,21 +459,10 @@ def prepare_fineweb_edu(out_dir, shards, shard_tokens=100_000_000):
         raise RuntimeError("prepare fineweb-edu needs `pip install datasets`") from None
     get_tokenizer()  # fail early, offline
     ds = load_dataset("HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train", streaming=True)
-    buf, fill, shard = np.empty(shard_tokens, dtype=np.uint16), 0, 0
     with mp.Pool(max(1, os.cpu_count() - 1)) as pool:
-        bar = tqdm(total=shard_tokens, unit="tok", desc="shard 0")
-        for toks in pool.imap(_tokenize_doc, ds, chunksize=16):
-            while len(toks):
-                take = min(len(toks), shard_tokens - fill)
-                buf[fill: fill + take], fill, toks = toks[:take], fill + take, toks[take:]
-                bar.update(take)
-                if fill == shard_tokens:
-                    split = "val" if shard == 0 else "train"
-                    write_shard(os.path.join(out_dir, f"fineweb-edu_{split}_{shard:06d}.bin"), buf)
-                    shard, fill = shard + 1, 0
-                    if shard > shards:
-                        return
-                    bar = tqdm(total=shard_tokens, unit="tok", desc=f"shard {shard}")
+        docs = tqdm(pool.imap(_tokenize_doc, ds, chunksize=16), unit=" docs", desc="tokenizing")
+        n = write_token_stream(docs, out_dir, "fineweb-edu", shard_tokens, shards)
+    print(f"{n} shards of up to {shard_tokens:,} tokens -> {out_dir}")
 
 
 def prepare(argv):

@@ -262,3 +262,12 @@ def test_distributed_val_loss_equals_single_process(random_data):
     single = _val_loss_on_ranks(0, 1, random_data)
     both = run_distributed(_val_loss_on_ranks, 2, random_data)
     assert both[0] == both[1] and abs(both[0] - single) / single < 1e-6
+
+
+def test_token_stream_sharding(tmp_path):
+    docs = [np.arange(n, dtype=np.uint16) for n in (7, 30, 5, 1, 12)]  # 55 tokens in all
+    n = gpt2.write_token_stream(iter(docs), str(tmp_path), "x", 20, train_shards=5)
+    assert n == 3
+    got = [gpt2.read_shard(str(tmp_path / f"x_{s}_{i:06d}.bin")) for i, s in enumerate(["val", "train", "train"])]
+    assert [len(g) for g in got] == [20, 20, 15] and np.array_equal(np.concatenate(got), np.concatenate(docs))
+    assert gpt2.write_token_stream(iter(docs), str(tmp_path / "y"), "y", 20, train_shards=1) == 2
