@@ -1,0 +1,367 @@
+"""
+muon.py - Muon (MomentUm Orthogonalized by Newton-schulz) for the matrices inside the blocks, AdamW for
+everything else, trained data-parallel with the matrices' optimizer work split across ranks.
+
+The idea. Adam scales each coordinate of the gradient on its own; Muon treats a weight matrix as what it
+is, a linear map. It keeps a Nesterov momentum M of the gradient and replaces it by the nearest
+semi-orthogonal matrix, O = U V^T for M = U S V^T, before stepping: every direction the matrix maps gets
+the same step size, so rare directions (small singular values, which Adam barely moves) learn as fast
+as dominant ones. An SVD per step is too slow, so O comes from five steps of a Newton-Schulz iteration,
+a few bf16 matmuls on the tensor cores. Muon is only meant for hidden 2-D matrices: the embedding, the
+head, biases and LayerNorm gains stay on AdamW (Jordan et al. 2024; Liu et al. 2025, section 2).
+
+Distributed Muon. Newton-Schulz needs the WHOLE matrix, so we cannot shard each matrix like ZeRO does.
+Instead the gradient all-reduce of plain data parallelism is split in its two halves, and each rank does
+the optimizer work of the whole matrices it owns in between:
+
+    rank 0          rank 1                    each rank computes grads of ALL params on its rows
+    [c_attn.0 g]    [c_attn.0 g]
+    [c_fc.0   g]    [c_fc.0   g]      reduce-scatter  ->  rank 0 holds summed grads of the matrices
+    [c_proj.1 g]    [c_proj.1 g]      (one flat         it owns (c_attn.0, c_proj.1), rank 1 of its
+    [  ...    ]     [  ...    ]        buffer)          own (c_fc.0, ...): ownership balances NS FLOPs
+          |               |
+    momentum + Newton-Schulz + step    on owned matrices only (momentum buffers are sharded too)
+          |               |
+    all-gather the updated matrices   ->  every rank holds every matrix again
+    embeddings, head, biases, LN: all-reduced grads, AdamW replicated on every rank
+
+reduce-scatter + all-gather move the same bytes as the all-reduce they replace, so Muon's extra
+compute is divided by the number of ranks at no extra communication (only the padding of unequal shares).
+
+Launch:
+    python muon.py --data D                                   # one process, Muon + AdamW
+    torchrun --nproc_per_node=2 muon.py --data D --batch-size 4   # same curve as --batch-size 8 above
+    python muon.py --data D --optimizer adamw --lr 3e-3       # the AdamW-only baseline, same loop
+    torchrun --nproc_per_node=8 muon.py --model gpt2 --data data/fineweb10B --batch-size 16 \\
+        --grad-accum 4 --seq-len 1024 --lr 6e-4 --compile      # on GPUs: bf16 autocast, NS in bf16
+
+References: K. Jordan et al., "Muon: an optimizer for hidden layers in neural networks" (2024 blog post,
+kellerjordan.github.io/posts/muon) and github.com/KellerJordan/Muon; J. Liu et al., "Muon is Scalable
+for LLM Training" (Moonlight, arXiv 2502.16982): section 2.2 (update RMS matching 0.2*sqrt(max(A,B))),
+section 2.3 (distributed Muon); Bernstein & Newhouse 2024, "Old optimizer, new norm" (why orthogonalise).
+"""
+import argparse
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import gpt2
+from gpt2 import print0
+
+# torch 2.13 renamed the single-tensor collectives; the old names (2.11, 2.12) still work there
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# ----------------------------------------------------------------------------------------------------
+# Newton-Schulz orthogonalisation
+
+# One step maps each singular value s of X (in [0, 1] after normalising) through p(s) = a s + b s^3 + c s^5
+# and keeps the singular vectors. The classic cubic (1.5, -0.5) converges to 1 but slowly near 0. These
+# quintic coefficients (Jordan 2024) maximise the slope at zero (a = 3.4445, so small singular values grow
+# ~3.4x per step) under the constraint that the iterate stays in a band around 1 instead of converging
+# exactly: after 5 steps the singular values lie in about [0.7, 1.2], which trains as well as exact U V^T.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(G, steps=5, dtype=None, eps=1e-7):
+    """Approximately U V^T for G = U S V^T (a matrix or a batch of them, (..., rows, cols)), returned in
+    G's dtype. Runs in bf16 on CUDA (the iteration is self-correcting, tensor cores make it cheap) and
+    fp32 elsewhere unless `dtype` says otherwise."""
+    a, b, c = NS_COEFFICIENTS
+    dtype = dtype or (torch.bfloat16 if G.is_cuda else torch.float32)
+    X = G.to(dtype)
+    tall = G.size(-2) > G.size(-1)
+    if tall:  # work with the wide orientation so the Gram matrix X X^T is the small (min x min) one
+        X = X.mT
+    # the Frobenius norm bounds the spectral norm, so this puts every singular value in [0, 1]
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X  # = (a + b XX^T + c (XX^T)^2) X: odd polynomial in the singular values
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+def update_scale(rows, cols, mode):
+    """Step multiplier for an orthogonalised (rows x cols) update, whose entries have RMS 1/sqrt(max(rows, cols)).
+    'original' (Jordan): sqrt(max(1, rows/cols)), so tall matrices are not under-stepped.
+    'match_rms_adamw' (Moonlight, section 2.2): 0.2 sqrt(max(rows, cols)) gives the update an RMS of 0.2,
+    like a typical AdamW update, so AdamW's learning rate and weight decay carry over."""
+    if mode == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    if mode == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"unknown Muon scale {mode!r}: use original or match_rms_adamw")
+
+
+def ns_flops(shape, parts=1):
+    """Matmul FLOPs of one Newton-Schulz step on a (rows x cols) matrix orthogonalised as `parts` row
+    blocks: with m = min, n = max side, X X^T costs 2 m^2 n, A A 2 m^3, B X 2 m^2 n."""
+    m, n = sorted((shape[0] // parts, shape[1]))
+    return parts * (4 * m * m * n + 2 * m ** 3)
+
+
+def assign_owners(costs, world):
+    """Give each matrix to one rank so the ranks' Newton-Schulz work is balanced: largest first to the
+    least-loaded rank (Graham's LPT rule, within 4/3 of the best split). Deterministic on every rank."""
+    load, owner = [0] * world, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i], load[r] = r, load[r] + costs[i]
+    return owner
+
+
+# ----------------------------------------------------------------------------------------------------
+# Distributed Muon: each rank owns whole matrices
+
+
+class Muon:
+    """Muon on a list of 2-D parameters, the optimizer work split by whole matrices over `world` ranks.
+
+    parts[i] = 3 orthogonalises parameter i as three stacked row blocks (GPT-2's packed q, k, v).
+    Per step: reduce_scatter_grads() -> (clip with grad_sq_norm()) -> step(lr, clip_coef).
+    With world = 1 there is no communication and it is plain Muon."""
+
+    def __init__(self, params, parts=None, lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5,
+                 scale="original", ns_dtype=None, rank=0, world=1, comm=None):
+        self.params = list(params)
+        self.parts = list(parts or [1] * len(self.params))
+        for p, k in zip(self.params, self.parts):
+            if p.dim() != 2 or p.size(0) % k:
+                raise ValueError(f"Muon needs 2-D parameters whose rows split in {k}; got shape {tuple(p.shape)}")
+        self.lr, self.weight_decay, self.momentum, self.nesterov = lr, weight_decay, momentum, nesterov
+        self.ns_steps, self.scale, self.ns_dtype = ns_steps, scale, ns_dtype
+        self.rank, self.world, self.comm = rank, world, comm or gpt2.CommMeter()
+        update_scale(1, 1, scale)  # reject a bad mode now, not at the first step
+
+        # Layout: one flat buffer of world equal slabs; slab r holds rank r's matrices back to back, padded
+        # to the largest share, so one reduce-scatter / all-gather moves them all.
+        self.owner = assign_owners([ns_flops(p.shape, k) for p, k in zip(self.params, self.parts)], world)
+        used, self.offset = [0] * world, []
+        for p, r in zip(self.params, self.owner):
+            self.offset.append(used[r])
+            used[r] += p.numel()
+        self.slab = max(used) if self.params else 0
+        self.padding = sum(self.slab - u for u in used)  # elements sent that are not parameters
+        self.mine = [i for i, r in enumerate(self.owner) if r == rank]
+        dev = self.params[0].device if self.params else torch.device("cpu")
+        self.flat = torch.zeros(world * self.slab, device=dev)  # all grads in, all updated params out
+        self.own = self.flat[rank * self.slab:(rank + 1) * self.slab] if world == 1 else torch.zeros(self.slab, device=dev)
+        self.momentum_buf = {i: torch.zeros_like(self.params[i]) for i in self.mine}
+
+    def _view(self, buf, i, base=0):
+        p = self.params[i]
+        return buf[base + self.offset[i]: base + self.offset[i] + p.numel()].view_as(p)
+
+    @torch.no_grad()
+    def reduce_scatter_grads(self):
+        """Sum the ranks' gradients so each rank ends up with the mean gradient of its own matrices."""
+        for i, p in enumerate(self.params):
+            self._view(self.flat, i, self.owner[i] * self.slab).copy_(p.grad)
+        if self.world > 1 and self.slab:
+            reduce_scatter_single(self.own, self.flat)
+            self.own /= self.world
+            self.comm.reduce_scatter(self.flat.numel() * self.flat.element_size(), self.world)
+
+    def grad_sq_norm(self):
+        """Sum of squares of the owned (already reduced) gradients: summed over ranks it is the squared norm
+        of all the Muon gradients, each counted once."""
+        return sum((self._view(self.own, i).float().square().sum() for i in self.mine), torch.zeros((), device=self.own.device))
+
+    @torch.no_grad()
+    def step(self, lr=None, clip_coef=1.0):
+        lr = self.lr if lr is None else lr
+        for i in self.mine:
+            p, k, g = self.params[i], self.parts[i], self._view(self.own, i)
+            if clip_coef != 1.0:
+                g.mul_(clip_coef)
+            # Nesterov momentum as an EMA (same update direction as M = mu M + g, g + mu M; NS removes the scale)
+            buf = self.momentum_buf[i]
+            buf.lerp_(g, 1 - self.momentum)
+            u = g.lerp(buf, self.momentum) if self.nesterov else buf
+            rows, cols = p.size(0) // k, p.size(1)
+            o = newton_schulz(u.view(k, rows, cols), self.ns_steps, self.ns_dtype).view_as(p)
+            p.mul_(1 - lr * self.weight_decay)  # decoupled weight decay (Loshchilov & Hutter), as torch does
+            p.add_(o, alpha=-lr * update_scale(rows, cols, self.scale))
+            g.copy_(p)  # the owned slab now carries the updated parameters for the all-gather
+        self.all_gather_params()
+
+    @torch.no_grad()
+    def all_gather_params(self):
+        if self.world == 1 or not self.slab:
+            return
+        all_gather_single(self.flat, self.own)
+        self.comm.all_gather(self.flat.numel() * self.flat.element_size(), self.world)
+        for i, p in enumerate(self.params):
+            if self.owner[i] != self.rank:
+                p.copy_(self._view(self.flat, i, self.owner[i] * self.slab))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data-parallel plumbing for the AdamW parameters (and the loss)
+
+
+@torch.no_grad()
+def all_reduce_grads(params, loss_sum, world, comm):
+    """Average the AdamW parameters' gradients and the step's loss over ranks in one flat all-reduce."""
+    if world == 1:
+        return loss_sum
+    flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss_sum.reshape(1).float()])
+    dist.all_reduce(flat)
+    flat /= world
+    comm.all_reduce(flat.numel() * flat.element_size(), world)
+    pos = 0
+    for p in params:
+        p.grad.copy_(flat[pos: pos + p.numel()].view_as(p))
+        pos += p.numel()
+    return flat[-1]
+
+
+@torch.no_grad()
+def clip_coefficient(muon, adamw_params, max_norm, world, comm):
+    """max_norm / ||g|| (at most 1) over ALL parameters, as clip_grad_norm_ computes it on one rank: the
+    Muon part lives sharded (one all-reduce of a scalar), the AdamW part is replicated."""
+    sq = muon.grad_sq_norm() if muon else torch.zeros((), device=adamw_params[0].device)
+    if muon and world > 1:
+        dist.all_reduce(sq)
+        comm.all_reduce(sq.element_size(), world)
+    sq = sq + sum(p.grad.float().square().sum() for p in adamw_params)
+    return min(1.0, max_norm / (sq.sqrt().item() + 1e-6))
+
+
+def split_params(model, optimizer):
+    """Muon takes the 2-D matrices inside the blocks; embeddings/head (tied), biases and LayerNorm go to AdamW."""
+    if optimizer == "adamw":
+        return [], [], [p for p in model.parameters() if p.requires_grad]
+    muon, parts = [], []
+    for block in model.h:
+        for name, p in block.named_parameters():
+            if p.dim() == 2:
+                muon.append(p)
+                parts.append(3 if name == "attn.c_attn.weight" else 1)
+    ids = {id(p) for p in muon}
+    return muon, parts, [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training loop (mirrors gpt2.train step for step)
+
+
+def make_parser():
+    p = gpt2.make_parser("Train GPT-2 with Muon on the block matrices and AdamW on the rest, data parallel.")
+    a = p.add_argument
+    a("--optimizer", default="muon", choices=["muon", "adamw"], help="muon = Muon + AdamW; adamw = AdamW only (the baseline)")
+    a("--muon-lr", type=float, help="Muon's peak lr, on the same warmup/cosine schedule as --lr "
+      "(default: 0.02 with --muon-scale original, --lr with match_rms_adamw)")
+    a("--momentum", type=float, default=0.95, help="Muon's momentum")
+    a("--nesterov", action=argparse.BooleanOptionalAction, default=True, help="Nesterov momentum for Muon")
+    a("--ns-steps", type=int, default=5, help="Newton-Schulz iterations")
+    a("--muon-scale", default="original", choices=["original", "match_rms_adamw"],
+      help="update scale: sqrt(max(1,rows/cols)) (Jordan) or 0.2*sqrt(max(rows,cols)) (Moonlight)")
+    a("--qkv", default="split", choices=["split", "packed"],
+      help="orthogonalise c_attn's q, k, v blocks separately (split) or as one 3E x E matrix")
+    return p
+
+
+def validate(args, world):
+    """Every check that can fail runs here, on every rank, before the process group exists."""
+    cfg = gpt2.model_config(args)
+    if args.muon_lr is None:
+        args.muon_lr = 0.02 if args.muon_scale == "original" else args.lr
+    for name in ("lr", "muon_lr"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if not 0.0 <= args.momentum < 1.0:
+        raise ValueError(f"--momentum must lie in [0, 1), got {args.momentum}")
+    if args.ns_steps < 1:
+        raise ValueError(f"--ns-steps must be >= 1, got {args.ns_steps}")
+    if args.steps < 1 or args.batch_size < 1 or args.grad_accum < 1:
+        raise ValueError("--steps, --batch-size and --grad-accum must be >= 1")
+    n_matrices = 4 * cfg.n_layer if args.optimizer == "muon" else 0
+    if world > n_matrices and n_matrices:
+        print0(f"note: {world} ranks but {n_matrices} Muon matrices: {world - n_matrices} ranks own none")
+    return cfg
+
+
+def main(argv=None):
+    args = make_parser().parse_args(argv)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    cfg = validate(args, world)
+    train_loader, val_loader = gpt2.make_loaders(args, rank, world, cfg.vocab_size)  # checks the data fits
+    ctx = gpt2.setup(args)
+    model = gpt2.build_model(args).to(ctx.device)
+    comm = gpt2.CommMeter()
+    muon_params, parts, adamw_params = split_params(model, args.optimizer)
+    if args.qkv == "packed":
+        parts = [1] * len(muon_params)
+    muon = Muon(muon_params, parts, lr=args.muon_lr, weight_decay=args.weight_decay, momentum=args.momentum,
+                nesterov=args.nesterov, ns_steps=args.ns_steps, scale=args.muon_scale,
+                rank=ctx.rank, world=ctx.world, comm=comm) if muon_params else None
+    adamw = gpt2.make_adamw([{"params": [p for p in adamw_params if p.dim() >= 2], "weight_decay": args.weight_decay},
+                             {"params": [p for p in adamw_params if p.dim() < 2], "weight_decay": 0.0}], args, ctx.device)
+    fwd = torch.compile(model) if args.compile else model
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * ctx.world
+    metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), tokens_per_step)
+    profiler = gpt2.Profiler(args, ctx)
+    n_muon = sum(p.numel() for p in muon_params)
+    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {ctx.world} ranks | "
+           f"Muon {n_muon / 1e6:.2f}M params in {len(muon_params)} matrices, AdamW {sum(p.numel() for p in adamw_params) / 1e6:.2f}M")
+    if muon and ctx.world > 1:
+        print0(f"Muon shares: rank 0 owns {len(muon.mine)} matrices, slab {muon.slab} floats, padding {muon.padding} "
+               f"({100 * muon.padding / max(1, ctx.world * muon.slab):.1f}% of the reduce-scatter)")
+
+    def val_loss_fn(x, y):
+        with ctx.autocast():
+            return fwd(x, y)[1]
+
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = gpt2.lr_at(step, args)
+        for g in adamw.param_groups:
+            g["lr"] = lr
+        muon_lr = args.muon_lr * lr / args.lr  # Muon rides the same warmup + cosine schedule
+        loss_sum = torch.zeros((), device=ctx.device)
+        for _ in range(args.grad_accum):
+            x, y = train_loader.next_batch()
+            with ctx.autocast():
+                _, loss = fwd(x.to(ctx.device), y.to(ctx.device))
+            loss = loss / args.grad_accum
+            loss_sum += loss.detach()
+            loss.backward()
+        if muon:
+            muon.reduce_scatter_grads()
+        loss_sum = all_reduce_grads(adamw_params, loss_sum, ctx.world, comm)
+        clip = clip_coefficient(muon, adamw_params, args.grad_clip, ctx.world, comm) if args.grad_clip > 0 else 1.0
+        if clip != 1.0:
+            torch._foreach_mul_([p.grad for p in adamw_params], clip)
+        adamw.step()
+        if muon:
+            muon.step(muon_lr, clip)  # momentum + Newton-Schulz on owned matrices, then all-gather
+        model.zero_grad(set_to_none=True)
+        loss_val = loss_sum.item()
+        gpt2.check_finite(loss_val, step)
+        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb(), muon_lr=muon_lr if muon else None)
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            model.eval()
+            metrics.log_val(step, gpt2.evaluate(val_loss_fn, val_loader, args.eval_steps, ctx.device))
+            model.train()
+    if ctx.master:
+        torch.save({"config": cfg.__dict__, "model": model.state_dict()}, os.path.join(args.out, "model.pt"))
+    metrics.plot()
+    print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return metrics.records
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"muon.py: {e}")
