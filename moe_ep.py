@@ -1,0 +1,490 @@
+"""
+moe_ep.py - a Mixture-of-Experts GPT-2 trained with expert parallelism: the MLP of every block becomes
+E expert MLPs and a router that sends each token to its top-k experts; the experts are split across EP
+ranks, and tokens travel to their experts and back by two hand-written all-to-alls per layer.
+
+The idea: a token only needs k of the E expert MLPs, so an MoE has E/k times the MLP parameters of its
+dense twin for the same FLOPs per token (Shazeer et al. 2017; GShard; Switch Transformer). The experts do
+not fit, or do not run fast, on one GPU, so rank r of an EP group keeps experts [r*E/ep, (r+1)*E/ep) only.
+In each MoE layer a rank routes its own tokens, sorts them by destination expert, swaps counts, then swaps
+the tokens themselves (all_to_all_single with uneven splits), runs its local experts on what it received,
+sends the results back by the reverse all-to-all, puts them in token order and weights them by the gates.
+Everything that is not an expert (attention, LayerNorms, embeddings, routers) is plain data parallel.
+
+    world = 4, --ep 2 --experts 4: two EP groups {0,1} {2,3}; each expert has world/ep = 2 replicas
+               rank 0          rank 1        |   rank 2          rank 3
+    data       rows [0,B)      rows [B,2B)   |   rows [2B,3B)    rows [3B,4B)
+    dense      attention, LayerNorms, wte/wpe, routers: a full copy everywhere, grads all-reduced over 4
+    experts    e0 e1           e2 e3         |   e0 e1           e2 e3    (e0's grads: all-reduced over {0,2})
+    one MoE layer, inside an EP group:
+      router -> top-k -> sort by expert -> a2a counts -> a2a tokens ===> local experts ===> a2a back
+      -> unsort -> sum_k gate_k * y_k  (+ shared expert)  -> residual add (dropped tokens: residual only)
+
+    load balancing (--balance): aux = alpha*E*sum_i f_i*P_i (Switch eq. 4-6) from GLOBAL counts f_i;
+      bias = DeepSeek-V3's aux-loss-free bias b_i, used for top-k selection only, b_i += gamma*sign(mean-load_i)
+    router z-loss (--z-loss) = mean logsumexp(router logits)^2 (ST-MoE sec. 3.5)
+
+Launch:
+    python moe_ep.py --experts 4 --top-k 2                                      # 1 process, all experts
+    torchrun --nproc_per_node=2 moe_ep.py --ep 2 --batch-size 4 --experts 4     # same run, 2 EP ranks
+    torchrun --nproc_per_node=8 moe_ep.py --model gpt2 --ep 8 --experts 8 --top-k 2 --gate sigmoid \
+        --balance bias --shared-expert --data data/fineweb10B --batch-size 16 --compile
+Equivalence: in fp32 and dropless (--capacity-factor 0) every --ep x data-parallel layout with the same
+global batch reproduces the 1-process loss curve step by step (tests/test_moe_ep.py).
+
+References: Shazeer et al. 2017 (sparsely-gated MoE); Lepikhin et al. 2020, GShard sec. 2.2 (capacity,
+top-2, all-to-all dispatch); Fedus et al. 2021, Switch Transformer sec. 2.2 (capacity factor, aux loss);
+Zoph et al. 2022, ST-MoE sec. 3.5 (router z-loss); DeepSeek-AI 2024, DeepSeek-V3 sec. 2.1.2 (sigmoid
+gates, auxiliary-loss-free balancing, shared expert); Megatron-LM / torchtitan expert parallelism.
+"""
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gpt2
+from gpt2 import print0
+
+# ----------------------------------------------------------------------------------------------------
+# Communication: all-to-all with uneven splits, and its gradient
+
+
+class A2AMeter(gpt2.CommMeter):
+    """Bytes (as CommMeter) and wall time of the all-to-alls. With sync=True the CUDA stream is drained
+    around each one so that the time is real (NCCL is asynchronous); that costs overlap, so it is opt-in."""
+
+    def __init__(self, sync=False):
+        super().__init__()
+        self.seconds, self.sync = 0.0, sync
+
+
+def all_to_all(x, in_splits, out_splits, group, meter):
+    """Rows x[sum(in_splits[:j]) : sum(in_splits[:j+1])] go to rank j of `group`; returns the rows received,
+    ordered by source rank, sum(out_splits) of them."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    if meter.sync and x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    t0 = time.perf_counter()
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    if meter.sync and x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    meter.seconds += time.perf_counter() - t0
+    me = dist.get_rank(group)
+    meter.all_to_all((sum(in_splits) - in_splits[me]) * math.prod(x.shape[1:]) * x.element_size())
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """Differentiable all-to-all: the gradient of a received row belongs to the rank that sent it, so the
+    backward is the same exchange with the splits swapped (GShard sec. 2.2: dispatch and combine are each
+    other's transpose)."""
+
+    @staticmethod
+    def forward(ctx, x, in_splits, out_splits, group, meter):
+        ctx.saved = (in_splits, out_splits, group, meter)
+        return all_to_all(x, in_splits, out_splits, group, meter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        in_splits, out_splits, group, meter = ctx.saved
+        return all_to_all(grad, out_splits, in_splits, group, meter), None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dispatch and combine: route assignments to the ranks holding their experts, and bring them back
+
+
+@dataclass
+class Plan:
+    """What dispatch_tokens decided, and what combine_tokens needs to undo it."""
+    order: torch.Tensor  # kept assignment ids, sorted by expert (so also by destination rank)
+    n_assign: int  # all assignments, kept or dropped: N tokens x k choices
+    routed: torch.Tensor  # (E,) assignments per expert before capacity
+    kept: torch.Tensor  # (E,) assignments per expert after capacity
+    send_splits: list  # rows to each EP rank
+    recv_splits: list  # rows from each EP rank
+    recv_counts: torch.Tensor  # (ep, E_local): rows from each source rank for each local expert
+    expert_rows: list  # rows per local expert, all sources together
+    group: object
+    meter: A2AMeter
+
+
+def dispatch_tokens(x, expert_idx, num_experts, capacity, group, meter):
+    """x: (N, D) this rank's tokens; expert_idx: (k*N,) the expert of each assignment, assignment a being
+    token a % N (choice-major: all first choices, then all second choices). Assignments beyond `capacity`
+    per expert (None = dropless) are dropped, first choices and earlier tokens first (GShard sec. 2.2).
+    Returns the rows this rank's experts must process, grouped by source rank then local expert, and the Plan."""
+    ep = dist.get_world_size(group) if group is not None else 1
+    E, E_local, N = num_experts, num_experts // ep, x.size(0)
+    order = torch.argsort(expert_idx, stable=True)  # group assignments by expert, keeping their priority
+    routed = torch.bincount(expert_idx, minlength=E)
+    kept = routed
+    if capacity is not None:
+        first = torch.cumsum(routed, 0) - routed  # where each expert's run starts in `order`
+        slot = torch.arange(order.numel(), device=x.device) - first[expert_idx[order]]
+        order, kept = order[slot < capacity], routed.clamp(max=capacity)
+    rows = x[order % N]
+    if ep == 1:
+        n = order.numel()
+        return rows, Plan(order, expert_idx.numel(), routed, kept, [n], [n], kept.view(1, E), kept.tolist(), None, meter)
+    # 1) counts: every rank learns how many rows it will receive from each source for each local expert
+    recv_counts = torch.empty_like(kept)
+    dist.all_to_all_single(recv_counts, kept, group=group)
+    meter.all_to_all((ep - 1) * E_local * kept.element_size())
+    recv_counts = recv_counts.view(ep, E_local)
+    # the uneven splits must be host integers: one device->host copy per layer, the price of dropless EP
+    host = torch.cat([kept.view(ep, E_local).sum(1), recv_counts.sum(1), recv_counts.sum(0)]).tolist()
+    send_splits, recv_splits, expert_rows = host[:ep], host[ep:2 * ep], host[2 * ep:]
+    # 2) the tokens themselves
+    recv = AllToAll.apply(rows, send_splits, recv_splits, group, meter)
+    return recv, Plan(order, expert_idx.numel(), routed, kept, send_splits, recv_splits, recv_counts,
+                      expert_rows, group, meter)
+
+
+def combine_tokens(y, plan):
+    """Inverse of dispatch_tokens: y holds the expert outputs of the received rows (same order); returns
+    (n_assign, D) in assignment order, zeros where an assignment was dropped."""
+    if plan.group is not None:
+        y = AllToAll.apply(y, plan.recv_splits, plan.send_splits, plan.group, plan.meter)
+    return y.new_zeros((plan.n_assign, y.size(1))).index_copy(0, plan.order, y)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The MoE layer: router, load balancing, local experts
+
+
+def seeded(seed, make):
+    """make() under its own seed, without disturbing the global RNG: every expert's weights are a function
+    of (seed, layer, expert) only, so all EP layouts build identical experts and each rank builds only its own."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return make()
+
+
+class MoE(nn.Module):
+    """Drop-in for gpt2.MLP: (B, T, D) -> (B, T, D). E experts shaped as gpt2.MLP, of which this rank holds
+    experts [ep_rank*E/ep, (ep_rank+1)*E/ep). After a training forward, self.stats holds what the balancing
+    losses and the load log need."""
+
+    def __init__(self, cfg, args, layer, init, ep_rank=0, group=None, meter=None):
+        super().__init__()
+        E, ep = args.experts, args.ep
+        self.E, self.k, self.gate, self.cf = E, args.top_k, args.gate, args.capacity_factor
+        self.group, self.meter = group, meter or A2AMeter()
+        base = args.seed * 1_000_003 + 1009 * (layer + 1)
+
+        def build(module):
+            module.apply(init)  # gpt2's init: N(0, 0.02), residual projections scaled by 1/sqrt(2L)
+            return module
+
+        self.router = seeded(base, lambda: build(nn.Linear(cfg.n_embd, E, bias=False)))
+        lo = ep_rank * (E // ep)
+        self.experts = nn.ModuleList(seeded(base + 1 + e, lambda: build(gpt2.MLP(cfg))) for e in range(lo, lo + E // ep))
+        self.shared = seeded(base - 1, lambda: build(gpt2.MLP(cfg))) if args.shared_expert else None
+        # DeepSeek-V3 sec. 2.1.2: a bias added to the scores for top-k selection only (never to the gates);
+        # a buffer, not a parameter: it is moved by update_bias, not by gradients
+        self.register_buffer("bias", torch.zeros(E))
+        self.stats = None
+
+    def route(self, h):
+        """Top-k experts and gates of each token. The router runs in fp32 even under autocast: tiny logit
+        differences flip top-k choices, and exp() of bf16 logits is coarse (ST-MoE sec. 3.2)."""
+        with torch.autocast(h.device.type, enabled=False):
+            logits = F.linear(h.float(), self.router.weight.float())
+        scores = logits.softmax(-1) if self.gate == "softmax" else logits.sigmoid()
+        idx = torch.topk(scores + self.bias, self.k, dim=-1).indices
+        gates = scores.gather(-1, idx)
+        if self.gate == "sigmoid":  # DeepSeek-V3 eq. 13: sigmoid affinities renormalised over the chosen k
+            gates = gates / gates.sum(-1, keepdim=True)
+        return logits, scores, idx, gates
+
+    def capacity(self, n_tokens):
+        """Switch sec. 2.2: expert capacity = C * tokens * k / E per source rank; 0 = dropless."""
+        return None if self.cf == 0 else math.ceil(self.cf * n_tokens * self.k / self.E)
+
+    def run_experts(self, x, plan):
+        """Received rows come grouped by source rank, then local expert: regroup them by expert, run each
+        expert on its contiguous slice (one matmul pair per expert), and restore the received order."""
+        ep, E_local = plan.recv_counts.shape
+        regroup = None
+        if ep > 1:
+            eid = torch.arange(E_local, device=x.device).repeat(ep).repeat_interleave(plan.recv_counts.flatten())
+            regroup = torch.argsort(eid, stable=True)
+            x = x[regroup]
+        y = torch.cat([expert(xs) for expert, xs in zip(self.experts, x.split(plan.expert_rows))])
+        return y if regroup is None else y[torch.argsort(regroup)]
+
+    def forward(self, x):
+        B, T, D = x.shape
+        h = x.reshape(-1, D)
+        N = h.size(0)
+        logits, scores, idx, gates = self.route(h)
+        if torch.is_autocast_enabled(h.device.type):  # ship bf16: the experts would cast to it anyway
+            h = h.to(torch.get_autocast_dtype(h.device.type))
+        recv, plan = dispatch_tokens(h, idx.t().reshape(-1), self.E, self.capacity(N), self.group, self.meter)
+        y = combine_tokens(self.run_experts(recv, plan), plan)
+        out = (y.view(self.k, N, D) * gates.t().unsqueeze(-1)).sum(0)  # dropped choices add nothing
+        if self.shared is not None:
+            out = out + self.shared(h)
+        if self.training:
+            self.stats = {"routed": plan.routed, "kept": plan.kept,
+                          "P": (scores if self.gate == "softmax" else scores / scores.sum(-1, keepdim=True)).mean(0),
+                          "z": torch.logsumexp(logits, -1).square().mean()}
+        return out.view(B, T, D)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Load balancing: global statistics, auxiliary losses, the aux-loss-free bias
+
+
+def global_counts(moes, world, meter):
+    """(L, 2, E) assignments per expert (routed, kept) summed over ALL ranks: one all-reduce of L*2*E ints per
+    micro-step. With these global counts every layout computes the same balancing signal as one process."""
+    counts = torch.stack([torch.stack([m.stats["routed"], m.stats["kept"]]) for m in moes])
+    if world > 1:
+        dist.all_reduce(counts)
+        meter.all_reduce(counts.numel() * counts.element_size(), world)
+    return counts
+
+
+def balance_loss(moes, counts, args):
+    """Switch eq. 4: alpha*E*sum_i f_i*P_i per layer, f_i the fraction of the global batch's k*N routing
+    choices that picked expert i (from `counts`, not differentiable), P_i this rank's mean router probability.
+    The global P_i is the mean of the ranks' P_i, and the data-parallel gradient average takes exactly that
+    mean, so global f with local P reproduces the one-process loss and gradient. Plus the router z-loss,
+    a per-token mean, which the average over ranks also makes global. Summed over layers."""
+    loss = torch.zeros((), device=counts.device)
+    for m, c in zip(moes, counts):
+        if args.balance == "aux":
+            f = c[0].float() / c[0].sum()
+            loss = loss + args.aux_coef * m.E * (f * m.stats["P"]).sum()
+        if args.z_loss:
+            loss = loss + args.z_loss * m.stats["z"]
+    return loss
+
+
+@torch.no_grad()
+def update_bias(moes, load, rate):
+    """DeepSeek-V3 sec. 2.1.2: after each step, b_i += gamma * sign(mean load - load_i) with the step's load
+    summed over ranks: overloaded experts get picked less, idle ones more, and no gradient is touched."""
+    for m, l in zip(moes, load.float()):
+        m.bias += rate * torch.sign(l.mean() - l)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model and gradients
+
+
+def build_moe_model(args, ep_rank=0, group=None, meter=None):
+    """gpt2.build_model (same seed, same dense weights), with every block's MLP replaced by an MoE layer."""
+    model = gpt2.build_model(args)
+    for i, block in enumerate(model.h):
+        block.mlp = MoE(model.config, args, i, model._init_weights, ep_rank, group, meter)
+    return model
+
+
+def make_groups(rank, world, ep):
+    """EP groups are blocks of ep consecutive ranks; expert e's replicas are the ranks with the same
+    rank % ep. Every rank must create every group, in the same order."""
+    ep_group = expert_dp_group = None  # None: a group of one, no communication
+    if ep > 1:
+        for g in range(world // ep):
+            ranks = list(range(g * ep, (g + 1) * ep))
+            grp = dist.new_group(ranks)
+            ep_group = grp if rank in ranks else ep_group
+    if world > ep:
+        for j in range(ep):
+            ranks = list(range(j, world, ep))
+            grp = dist.new_group(ranks)
+            expert_dp_group = grp if rank in ranks else expert_dp_group
+    return ep_group, expert_dp_group
+
+
+def all_reduce_grads(params, group, n, world, meter):
+    """Sum the gradients over `group` (n ranks) in one flat bucket, then divide by the WORLD size. Why world
+    and not n: an expert's gradient already sums, through the backward all-to-all, the losses of every rank
+    of its EP group; summing over its n replicas then covers all world ranks, whose mean loss we train on."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if n > 1:
+        dist.all_reduce(flat, group=group)
+        meter.all_reduce(flat.numel() * flat.element_size(), n)
+    flat /= world
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p)
+
+
+def clip_global_grad_norm(dense, experts, max_norm, ep_group, ep, meter):
+    """torch.nn.utils.clip_grad_norm_ on the whole model: dense grads are identical on every rank, expert
+    grads are split over the EP group, so their squared norms are summed over it (one float)."""
+    sq = lambda ps: sum((p.grad.float().square().sum() for p in ps if p.grad is not None), torch.zeros((), device=dense[0].device))
+    expert_sq = sq(experts)
+    if ep > 1:
+        dist.all_reduce(expert_sq, group=ep_group)
+        meter.all_reduce(4, ep)
+    norm = (sq(dense) + expert_sq).sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in dense + experts:
+        if p.grad is not None:
+            p.grad.mul_(coef)
+    return norm
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+
+
+def make_parser():
+    p = gpt2.make_parser("Train a Mixture-of-Experts GPT-2 with expert parallelism (torchrun for several ranks).")
+    a = p.add_argument
+    a("--ep", type=int, default=1, help="expert-parallel size: experts are split over groups of this many ranks")
+    a("--experts", type=int, default=4, help="routed experts per MoE layer (each shaped as GPT-2's MLP)")
+    a("--top-k", type=int, default=2, help="experts per token")
+    a("--capacity-factor", type=float, default=0.0, help="expert capacity = C*tokens*k/E per rank; 0 = dropless")
+    a("--gate", default="softmax", choices=["softmax", "sigmoid"], help="softmax top-k probabilities, or DeepSeek-V3 sigmoid renormalised over k")
+    a("--shared-expert", action="store_true", help="add one always-on expert per layer (DeepSeek-V3), data parallel")
+    a("--balance", default="aux", choices=["aux", "bias", "none"], help="Switch aux loss, DeepSeek-V3 aux-loss-free bias, or nothing")
+    a("--aux-coef", type=float, default=0.01, help="alpha of the Switch load-balancing loss")
+    a("--z-loss", type=float, default=1e-3, help="coefficient of the router z-loss (0 = off)")
+    a("--bias-rate", type=float, default=1e-3, help="gamma: bias update speed of --balance bias")
+    a("--time-a2a", action="store_true", help="synchronize CUDA around each all-to-all to time it (costs overlap)")
+    return p
+
+
+def check_args(args, world):
+    """Every mistake found before the first collective, so it is an error message and not a hang."""
+    if args.ep < 1 or args.experts < 1:
+        raise ValueError("--ep and --experts must be >= 1")
+    if args.experts % args.ep:
+        raise ValueError(f"--experts {args.experts} is not divisible by --ep {args.ep}: every EP rank holds the same number of experts")
+    if not 1 <= args.top_k <= args.experts:
+        raise ValueError(f"--top-k {args.top_k} must lie in [1, --experts {args.experts}]")
+    if world % args.ep:
+        raise ValueError(f"world size {world} is not divisible by --ep {args.ep}: ranks form world/ep expert-parallel groups")
+    if args.capacity_factor < 0:
+        raise ValueError(f"--capacity-factor {args.capacity_factor} must be >= 0 (0 = dropless)")
+
+
+def plot_expert_load(loads, args, path):
+    """Heatmap: one row per (layer, expert), one column per step, colour = tokens / mean tokens (1 = balanced)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    L, E = len(loads[0]), len(loads[0][0])
+    grid = torch.tensor(loads, dtype=torch.float32).permute(1, 2, 0).reshape(L * E, -1).numpy()
+    fig, ax = plt.subplots(figsize=(7, 1 + 0.22 * L * E))
+    im = ax.imshow(grid, aspect="auto", cmap="magma", interpolation="nearest", vmin=0)
+    for i in range(1, L):
+        ax.axhline(i * E - 0.5, color="white", lw=0.8)
+    ax.set_yticks([i * E + (E - 1) / 2 for i in range(L)], [f"layer {i}" for i in range(L)])
+    ax.set_xlabel("step")
+    ax.set_title(f"expert load (tokens / mean), {E} experts per layer, top-{args.top_k}, balance={args.balance}")
+    fig.colorbar(im, ax=ax, label="load / mean")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def train(argv=None):
+    args = make_parser().parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    check_args(args, world)
+    ctx = gpt2.setup(args)
+    ep, dp = args.ep, world // args.ep
+    ep_group, expert_dp_group = make_groups(ctx.rank, world, ep)
+    a2a, meter = A2AMeter(sync=args.time_a2a), gpt2.CommMeter()
+    model = build_moe_model(args, ctx.rank % ep, ep_group, a2a).to(ctx.device)
+    cfg, moes = model.config, [b.mlp for b in model.h]
+    experts = [p for m in moes for p in m.experts.parameters()]
+    expert_ids = {id(p) for p in experts}
+    dense = [p for p in model.parameters() if id(p) not in expert_ids]
+    train_loader, val_loader = gpt2.make_loaders(args, ctx.rank, world, cfg.vocab_size)
+    opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
+    if args.compile:  # static-shape parts whole; experts see a different row count each call
+        for b in model.h:
+            b.attn.compile()
+            for e in b.mlp.experts:
+                e.compile(dynamic=True)
+    expert_size = sum(p.numel() for p in moes[0].experts[0].parameters())  # FLOPs count the k experts a token visits
+    active = model.num_params() - sum(p.numel() for p in experts) + cfg.n_layer * args.top_k * expert_size
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    metrics = gpt2.Metrics(args, ctx, cfg, active, tokens_per_step)
+    profiler = gpt2.Profiler(args, ctx)
+    print0(f"model {args.model}: {active / 1e6:.2f}M active non-embedding params, {cfg.n_layer} MoE layers x "
+           f"{args.experts} experts (top-{args.top_k}) | EP {ep} x DP {dp} | device {ctx.device} {ctx.dtype}")
+    # closed form of one rank's all-to-all bytes per step: 2 exchanges forward + 2 backward (+2 recomputed)
+    # per layer, each sending the (ep-1)/ep of the kept N*k rows bound for other ranks if routing is uniform
+    row_bytes = cfg.n_embd * ctx.dtype.itemsize
+    passes = 6 if args.activation_checkpointing else 4
+    N = args.batch_size * args.seq_len
+    loads = []
+
+    def val_loss_fn(x, y):
+        with ctx.autocast():
+            return model(x, y)[1]
+
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = gpt2.lr_at(step, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        sums = torch.zeros(2, device=ctx.device)  # (train loss, balancing loss) of this rank
+        counts = torch.zeros(cfg.n_layer, 2, args.experts, dtype=torch.long, device=ctx.device)
+        for _ in range(args.grad_accum):
+            x, y = train_loader.next_batch()
+            with ctx.autocast():
+                _, loss = model(x.to(ctx.device), y.to(ctx.device))
+            c = global_counts(moes, world, meter)
+            aux = balance_loss(moes, c, args)
+            counts += c
+            sums += torch.stack([loss.detach(), aux.detach()]) / args.grad_accum
+            ((loss + aux) / args.grad_accum).backward()
+        if world > 1:
+            all_reduce_grads(dense, None, world, world, meter)
+            all_reduce_grads(experts, expert_dp_group, dp, world, meter)
+        if args.grad_clip > 0:
+            clip_global_grad_norm(dense, experts, args.grad_clip, ep_group, ep, meter)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if args.balance == "bias":
+            update_bias(moes, counts[:, 0], args.bias_rate)
+        if world > 1:
+            dist.all_reduce(sums)
+            meter.all_reduce(sums.numel() * 4, world)
+            sums /= world
+        loss_val, aux_val = sums.tolist()
+        gpt2.check_finite(loss_val, step)
+        routed, kept = counts[:, 0].float(), counts[:, 1].float()
+        load = routed / routed.mean(-1, keepdim=True)  # 1.0 = perfectly balanced
+        loads.append(load.tolist())
+        drop = 1 - kept.sum().item() / routed.sum().item()
+        a2a_mb, a2a_ms = a2a.take_mb(), a2a.seconds * 1e3
+        a2a.seconds = 0.0
+        theory_mb = args.grad_accum * cfg.n_layer * (ep - 1) / ep * (
+            passes * N * args.top_k * (1 - drop) * row_bytes + args.experts * 8) / 1e6
+        metrics.log_step(step, loss_val, lr, comm_mb=a2a_mb + meter.take_mb(), aux_loss=aux_val, drop_rate=drop,
+                         a2a_mb=a2a_mb, a2a_mb_theory=theory_mb, a2a_ms=a2a_ms, max_load=load.max().item(),
+                         expert_load=[[round(v, 4) for v in layer] for layer in load.tolist()])
+        print0(f"      moe | aux {aux_val:.5f} | drop {100 * drop:5.2f}% | max/mean load {load.max().item():.2f} | "
+               f"a2a {a2a_mb:.3f} MB (uniform closed form {theory_mb:.3f} MB) {a2a_ms:.1f} ms")
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            model.eval()
+            metrics.log_val(step, gpt2.evaluate(val_loss_fn, val_loader, args.eval_steps, ctx.device))
+            model.train()
+            a2a.take_mb(), meter.take_mb()  # validation traffic is not part of a training step
+            a2a.seconds = 0.0
+    metrics.plot()
+    if ctx.master and loads:
+        plot_expert_load(loads, args, os.path.join(args.out, "expert_load.png"))
+        print0(f"wrote {args.out}/loss.png and {args.out}/expert_load.png")
+    return metrics.records
+
+
+if __name__ == "__main__":
+    train()
