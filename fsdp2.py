@@ -1,0 +1,407 @@
+"""
+fsdp2.py - Fully Sharded Data Parallel (FSDP2 / ZeRO-3) for GPT-2, written from all_gather and
+reduce_scatter, so you can see exactly what torch.distributed.fsdp.fully_shard does.
+
+The idea: data parallelism keeps a full copy of the weights, the gradients and AdamW's two moments on
+every rank: 16 bytes per parameter (fp32), 2 GB for GPT-2 124M, 25 GB for 1.5B. FSDP cuts every
+parameter into N row-slices (dim 0, padded to a multiple of N) and each rank keeps only its slice of
+the weights, of the gradients and of the optimizer state: 16/N bytes per parameter. A layer's full
+weights exist only while the layer runs: just before a unit (one transformer Block, or the root unit
+wte/lm_head + wpe + ln_f) computes, its slices are all-gathered into one flat buffer; right after its
+backward, its full gradients are reduce-scattered so each rank keeps the sum of its own rows only.
+AdamW then updates each rank's rows, which is all the optimizer ever needs (it works elementwise).
+The communication is hidden behind compute by prefetching: the next unit's all-gather is in flight
+while this unit computes.
+
+    2 ranks, one Block unit; a weight W of R rows is padded to 2r rows, r = ceil(R/2)
+
+      rank 0 keeps W[0:r]  fp32  (+ grad + AdamW m, v)   rank 1 keeps W[r:2r]  (+ grad + m, v)
+                |                                                  |
+    forward     +------------- all_gather (bf16 on CUDA) ----------+     next unit's gather
+                v                                                  v     already in flight
+      full W (both ranks): run the Block;  ZeRO-3: free W now  |  ZeRO-2: keep W until backward
+    backward    ZeRO-3: all_gather W again (prefetched one unit ahead), compute dW (full size)
+                +----------- reduce_scatter(dW, fp32, sum) --------+
+                v                                                  v
+      rank 0: dW[0:r] / 2,  free W, dW                rank 1: dW[r:2r] / 2
+    step        global grad norm = sqrt(all_reduce(sum of squares of the slices)), clip,
+                AdamW on the slices only; nothing else moves
+
+    bytes sent per rank per micro-step, P params, N ranks (ring algorithms, CommMeter's convention):
+      DDP     all_reduce(grads fp32)                       2 (N-1)/N 4P
+      ZeRO-3  gather fwd + gather bwd + reduce_scatter     3 (N-1)/N 4P  = 1.5x DDP   (fp32)
+      ZeRO-2  gather fwd + reduce_scatter                  2 (N-1)/N 4P  = 1.0x DDP
+      (the root unit is gathered once per step in both modes, as FSDP2 does: it is needed by the
+       embedding at the start and by the head at the end, and the memory peak is at the head)
+
+Launch:
+    torchrun --nproc_per_node=2 fsdp2.py --batch-size 4                     # tiny on CPU: = gpt2.py train --batch-size 8
+    torchrun --nproc_per_node=2 fsdp2.py --batch-size 4 --reshard-after-forward 0      # ZeRO-2
+    torchrun --nproc_per_node=8 fsdp2.py --model gpt2 --data data/fineweb10B --batch-size 16 --grad-accum 4 \\
+        --seq-len 1024 --steps 19073 --warmup 700 --lr 6e-4 --compile             # the 124M speedrun setting
+    python tests/bench_fsdp2.py ... (see its docstring): ours against fully_shard, same run
+
+References: Rajbhandari et al. 2020, ZeRO (section 5: P_os, P_g, P_p stages); Zhao et al. 2023, PyTorch
+FSDP (section 3: units, prefetch, rate limiting); PyTorch's FSDP2 design (per-parameter dim-0 sharding,
+torch/distributed/fsdp/_fully_shard); torchtitan's use of it.
+"""
+import math
+import os
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import gpt2
+from gpt2 import print0
+
+# torch 2.13 renamed the flat collectives; 2.11-2.12 only have the old names
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ----------------------------------------------------------------------------------------------------
+# A unit: its parameters sharded on dim 0, gathered and reduce-scattered as one flat buffer
+
+
+def free_storage(t):
+    """Release a tensor's memory but keep the tensor object: autograd saved it (as a matmul operand)
+    in forward, and in backward it must find the same object refilled by a new all-gather."""
+    t.untyped_storage().resize_(0)
+
+
+class ShardedUnit:
+    """The parameters of one module group, each cut into `world` row-slices. Per parameter:
+    shard (fp32 nn.Parameter, this rank's rows, what AdamW updates) and full (the model's parameter,
+    the gathered rows in the compute dtype, whose memory exists only while the unit is gathered)."""
+
+    def __init__(self, name, params, ctx, param_dtype, comm):
+        self.name, self.world, self.comm, self.device = name, ctx.world, comm, ctx.device
+        self.param_dtype = param_dtype
+        self.shapes = [p.shape for p in params]
+        self.rows = [math.ceil(p.shape[0] / ctx.world) for p in params]  # rows per rank
+        self.shards, self.padded, self.full = [], [], []
+        for p, r in zip(params, self.rows):
+            padded = torch.zeros((r * ctx.world, *p.shape[1:]), dtype=torch.float32, device=ctx.device)
+            padded[: p.shape[0]] = p.detach()
+            self.shards.append(nn.Parameter(padded[ctx.rank * r: (ctx.rank + 1) * r].clone()))
+            # the gathered tensor keeps the padding rows so the copy-out is one strided copy; the
+            # model sees only the first R rows, a view of the same storage
+            self.padded.append(torch.empty_like(padded, dtype=param_dtype))
+            self.full.append(nn.Parameter(self.padded[-1][: p.shape[0]]))
+            free_storage(self.padded[-1])
+        self.numels = [s.numel() for s in self.shards]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]  # in the flat buffer
+        self.shard_numel = sum(self.numels)
+        self.gathered, self.gather_work, self.gather_buf = False, None, None
+        self.grads_ready = 0
+
+    def full_bytes(self):
+        return sum(p.numel() for p in self.padded) * torch.finfo(self.param_dtype).bits // 8
+
+    # -- all-gather ------------------------------------------------------------------------------
+    def all_gather_shards(self, dtype, async_op):
+        """One collective for the whole unit: in = my slices back to back; out = (world, shard_numel),
+        row k = rank k's slices, in the same order."""
+        with torch.no_grad():
+            flat = torch.cat([s.reshape(-1) for s in self.shards]).to(dtype)
+        out = torch.empty(self.world * self.shard_numel, dtype=dtype, device=self.device)
+        work = all_gather_flat(out, flat, async_op=async_op)
+        self.comm.all_gather(out.nbytes, self.world)
+        return work, out.view(self.world, self.shard_numel)
+
+    def unpack(self, i, gathered):
+        """Parameter i's columns of the gathered buffer as (world * rows, ...): rank-major rows."""
+        off, n = self.offsets[i], self.numels[i]
+        return gathered[:, off: off + n].reshape(-1, *self.shapes[i][1:])
+
+    def start_gather(self):
+        """Issue the all-gather and return at once (the prefetch); unshard() waits for it."""
+        if not self.gathered and self.gather_work is None:
+            self.gather_work, self.gather_buf = self.all_gather_shards(self.param_dtype, async_op=True)
+
+    def unshard(self):
+        if self.gathered:
+            return
+        self.start_gather()
+        self.gather_work.wait()
+        for padded, off, n in zip(self.padded, self.offsets, self.numels):
+            padded.untyped_storage().resize_(padded.numel() * padded.element_size())
+            # .data: refill without bumping autograd's version counter, or backward would reject
+            # the saved tensor as "modified in place" (the values are the same weights as before)
+            padded.data.view(self.world, n).copy_(self.gather_buf[:, off: off + n])
+        self.gathered, self.gather_work, self.gather_buf = True, None, None
+
+    def reshard(self):
+        for padded in self.padded:
+            free_storage(padded)
+        self.gathered = False
+
+    # -- reduce-scatter --------------------------------------------------------------------------
+    def reduce_scatter_grads(self):
+        """Lay the full gradients out like the gathered buffer (row k = the rows rank k owns), in
+        fp32 whatever the compute dtype, and sum them across ranks into this rank's rows only."""
+        buf = torch.zeros(self.world, self.shard_numel, dtype=torch.float32, device=self.device)
+        for p, r, off, n in zip(self.full, self.rows, self.offsets, self.numels):
+            g = p.grad
+            if g.size(0) < r * self.world:  # padding rows get zero gradient
+                g = torch.cat([g, g.new_zeros(r * self.world - g.size(0), *g.shape[1:])])
+            buf[:, off: off + n].view(self.world, r, *g.shape[1:]).copy_(g.view(self.world, r, *g.shape[1:]))
+            p.grad = None
+        out = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
+        work = reduce_scatter_flat(out, buf.view(-1), op=dist.ReduceOp.SUM, async_op=True)
+        self.comm.reduce_scatter(buf.nbytes, self.world)
+        return work, out, buf
+
+    def accumulate_grads(self, out):
+        """Add the reduced slice (averaged over ranks, like DDP) into each shard's .grad."""
+        out /= self.world
+        for s, piece in zip(self.shards, out.split(self.numels)):
+            piece = piece.view_as(s)
+            if s.grad is None:
+                s.grad = piece.clone()
+            else:
+                s.grad += piece
+
+
+# ----------------------------------------------------------------------------------------------------
+# The sharded model: forward with prefetch, backward hooks that re-gather and reduce-scatter
+
+
+class FullyShardedGPT:
+    """gpt2.GPT cut into units: root (wte = lm_head, wpe, ln_f) and one per Block. The model's own
+    modules still run the arithmetic; only their parameters are swapped for gathered ones."""
+
+    def __init__(self, model, ctx, args, comm):
+        self.model, self.ctx, self.comm = model, ctx, comm
+        self.reshard_after_forward = bool(args.reshard_after_forward)
+        # on CUDA with bf16 autocast, gather bf16 copies (half the bytes) and keep fp32 masters;
+        # gradients are reduced in fp32 either way (FSDP2's MixedPrecisionPolicy(bf16, fp32))
+        param_dtype = ctx.dtype if ctx.device.type == "cuda" else torch.float32
+        groups = [("root", [model.wte, model.wpe, model.ln_f, model.lm_head])] + [(f"h.{i}", [b]) for i, b in enumerate(model.h)]
+        self.units, to_full = [], {}
+        for name, modules in groups:
+            params = list({id(p): p for m in modules for p in m.parameters()}.values())  # the tie once
+            unit = ShardedUnit(name, params, ctx, param_dtype, comm)
+            self.units.append(unit)
+            for p, full in zip(params, unit.full):
+                to_full[id(p)] = (full, unit)
+        for m in model.modules():  # swap every reference, so lm_head.weight is wte.weight again
+            for k, p in m._parameters.items():
+                if p is not None:
+                    m._parameters[k] = to_full[id(p)][0]
+        # post-backward: when the last parameter of a unit has its full gradient, reduce-scatter it
+        for full, unit in to_full.values():
+            full.register_post_accumulate_grad_hook(partial(self._post_backward, unit))
+        self.root, self.blocks = self.units[0], self.units[1:]
+        self.block_fns = [torch.compile(b) if args.compile else b for b in model.h]
+        self.head_loss = torch.compile(model.head_loss) if args.compile else model.head_loss
+        self.pending_rs = None  # one reduce-scatter in flight at a time bounds the gradient memory
+        self.max_gathered_blocks = 0  # measured: how many Block units were ever gathered at once
+
+    def shards(self):
+        return [s for u in self.units for s in u.shards]
+
+    def _count_gathered(self):
+        self.max_gathered_blocks = max(self.max_gathered_blocks, sum(u.gathered or u.gather_work is not None for u in self.blocks))
+
+    def forward(self, idx, targets):
+        """embed -> blocks -> head, unit by unit. The root is gathered once and kept to the head
+        (and through its backward), as FSDP2 does with its root: re-gathering wte for the head
+        would cost a full embedding all-gather without lowering the memory peak, which is at the head."""
+        training = torch.is_grad_enabled()
+        self.root.unshard()
+        self.blocks[0].start_gather()  # prefetch: block 0's gather overlaps the embedding
+        x = self.model.embed(idx)
+        for i, (unit, block) in enumerate(zip(self.blocks, self.block_fns)):
+            unit.unshard()
+            if i + 1 < len(self.blocks):
+                self.blocks[i + 1].start_gather()  # prefetch the next unit while this one computes
+            self._count_gathered()
+            if self.model.activation_checkpointing and training:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+            if training:
+                # the gradient of a block's output arrives just before the block's backward runs
+                x.register_hook(partial(self._pre_backward, i))
+            if self.reshard_after_forward or not training:
+                unit.reshard()
+        loss = self.head_loss(x, targets)
+        if not training:
+            self.root.reshard()
+        return loss
+
+    def _pre_backward(self, i, grad):
+        self.blocks[i].unshard()  # ZeRO-3: waits for the prefetched gather; ZeRO-2: still gathered
+        if i > 0:
+            self.blocks[i - 1].start_gather()  # backward runs the units in reverse: prefetch i-1
+        self._count_gathered()
+
+    def _post_backward(self, unit, _param):
+        unit.grads_ready += 1
+        if unit.grads_ready < len(unit.full):
+            return
+        unit.grads_ready = 0
+        rs = unit.reduce_scatter_grads()
+        unit.reshard()  # the full weights are no longer needed; the grads now live in rs's buffer
+        self.finish_reduce_scatter()  # wait for the previous unit's reduce-scatter, which ran meanwhile
+        self.pending_rs = (unit, rs)
+
+    def finish_reduce_scatter(self):
+        if self.pending_rs is not None:
+            unit, (work, out, _buf) = self.pending_rs
+            work.wait()
+            unit.accumulate_grads(out)
+            self.pending_rs = None
+
+    def finish_backward(self):
+        self.finish_reduce_scatter()
+        stuck = [u.name for u in self.units if u.gathered or u.grads_ready]
+        if stuck:
+            raise RuntimeError(f"units {stuck} did not finish backward (a parameter got no gradient?)")
+
+    def clip_grad_norm_(self, max_norm):
+        """torch.nn.utils.clip_grad_norm_ over the whole model: each rank holds disjoint rows of every
+        gradient (padding rows are zero), so the global sum of squares is one all_reduce away."""
+        grads = [s.grad for s in self.shards()]
+        sq = torch.stack([g.float().square().sum() for g in grads]).sum()
+        dist.all_reduce(sq)
+        self.comm.all_reduce(sq.nbytes, self.ctx.world)
+        norm = sq.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return norm
+
+    def full_state_dict(self):
+        """Every parameter gathered in fp32, on CPU, on rank 0 only (the others return None): the
+        layout of gpt2.GPT.state_dict(), so gpt2.py sample / load_for_inference read it."""
+        full = {}
+        for unit in self.units:
+            _, gathered = unit.all_gather_shards(torch.float32, async_op=False)
+            for i, p in enumerate(unit.full):
+                full[id(p)] = unit.unpack(i, gathered)[: unit.shapes[i][0]].cpu()
+        if not self.ctx.master:
+            return None
+        return {k: full[id(p)] for k, p in self.model.named_parameters(remove_duplicate=False)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Memory and communication against theory
+
+
+def persistent_mb(fsdp, opt):
+    """This rank's persistent bytes: its slices, their gradients and AdamW's m and v (call it after
+    opt.step(), before zero_grad, when all three exist)."""
+    shards = fsdp.shards()
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts) / 1e6
+    adam = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    return nbytes(shards), nbytes(s.grad for s in shards if s.grad is not None), nbytes(adam)
+
+
+def report(fsdp, args, ctx, n_total, mem, step_comm_mb):
+    """Rank 0's persistent bytes against 16 bytes x params / world, and the step's measured traffic
+    against the formula in the docstring."""
+    p_mb, g_mb, o_mb = mem
+    biggest = max(u.full_bytes() for u in fsdp.units) / 1e6
+    n, micro = ctx.world, args.grad_accum
+    pbytes = torch.finfo(fsdp.root.param_dtype).bits // 8
+    n_root = sum(p.numel() for p in fsdp.root.full)
+    gathers = 2 if fsdp.reshard_after_forward else 1
+    theory = micro * (n - 1) / n * ((gathers * (n_total - n_root) + n_root) * pbytes + 4 * n_total) / 1e6
+    ddp = 2 * (n - 1) / n * 4 * n_total / 1e6  # per micro-step (with no_sync DDP sends it once per step)
+    print0(f"memory/rank: params {p_mb:.2f} + grads {g_mb:.2f} + adam {o_mb:.2f} = {p_mb + g_mb + o_mb:.2f} MB "
+           f"(theory 16 x {n_total / 1e6:.2f}M / {n} = {16 * n_total / n / 1e6:.2f} MB) + largest gathered unit "
+           f"{biggest:.2f} MB | at most {fsdp.max_gathered_blocks} of {len(fsdp.blocks)} blocks gathered at once")
+    print0(f"comm/step: {step_comm_mb:.2f} MB measured | {theory:.2f} MB theory "
+           f"({'ZeRO-3' if fsdp.reshard_after_forward else 'ZeRO-2'}, root gathered once per micro-step) | "
+           f"DDP all-reduce {ddp:.2f} MB per micro-step -> {theory / micro / ddp:.2f}x DDP")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training: gpt2.train()'s loop, step for step
+
+
+def train(argv=None):
+    p = gpt2.make_parser("Fully sharded data parallel (FSDP2 / ZeRO-3) GPT-2 training from all_gather and reduce_scatter.")
+    p.add_argument("--reshard-after-forward", type=int, default=1, choices=[0, 1],
+                   help="1 = ZeRO-3: free each unit's gathered weights after its forward, gather again for "
+                        "backward; 0 = ZeRO-2: keep them until the unit's backward (less traffic, more memory)")
+    args = p.parse_args(argv)
+    # validate before any collective, so bad input fails fast instead of hanging the other ranks
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    if world < 2:
+        raise SystemExit("fsdp2.py shards over several ranks: launch it with torchrun --nproc_per_node=N (N >= 2); "
+                         "one process is gpt2.py train")
+    cfg = gpt2.model_config(args)
+    for flag in ("steps", "batch_size", "seq_len", "grad_accum"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    train_loader, val_loader = gpt2.make_loaders(args, rank, world, cfg.vocab_size)
+
+    ctx = gpt2.setup(args)
+    comm = gpt2.CommMeter()
+    model = gpt2.build_model(args).to(ctx.device)
+    cfg, n_params, n_total = model.config, model.num_params(), model.num_params(non_embedding=False)
+    fsdp = FullyShardedGPT(model, ctx, args, comm)  # from here on, each rank holds 1/world of the weights
+    # decay 2-D weights only, as gpt2.optimizer_groups (a slice keeps its parameter's number of dims)
+    shards = fsdp.shards()
+    opt = gpt2.make_adamw([{"params": [s for s in shards if s.dim() >= 2], "weight_decay": args.weight_decay},
+                           {"params": [s for s in shards if s.dim() < 2], "weight_decay": 0.0}], args, ctx.device)
+    metrics = gpt2.Metrics(args, ctx, cfg, n_params, args.batch_size * args.seq_len * args.grad_accum * ctx.world)
+    profiler = gpt2.Profiler(args, ctx)
+    print0(f"model {args.model}: {n_params / 1e6:.2f}M non-embedding params | {ctx.world} ranks | "
+           f"reshard-after-forward {args.reshard_after_forward} | device {ctx.device} {ctx.dtype}")
+
+    def val_loss_fn(x, y):
+        with ctx.autocast():
+            return fsdp.forward(x, y)
+
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = gpt2.lr_at(step, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss_sum = torch.zeros((), device=ctx.device)
+        for _ in range(args.grad_accum):
+            x, y = train_loader.next_batch()
+            with ctx.autocast():
+                loss = fsdp.forward(x.to(ctx.device), y.to(ctx.device))
+            loss = loss / args.grad_accum
+            loss_sum += loss.detach()
+            loss.backward()
+            fsdp.finish_backward()
+        if args.grad_clip > 0:
+            fsdp.clip_grad_norm_(args.grad_clip)
+        opt.step()
+        mem = persistent_mb(fsdp, opt) if step == 0 else None
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)
+        comm.all_reduce(loss_sum.nbytes, ctx.world)
+        loss_val = loss_sum.item() / ctx.world
+        gpt2.check_finite(loss_val, step)
+        comm_mb = comm.take_mb()
+        metrics.log_step(step, loss_val, lr, comm_mb=comm_mb)
+        if step == 0:
+            report(fsdp, args, ctx, n_total, mem, comm_mb)
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            model.eval()
+            metrics.log_val(step, gpt2.evaluate(val_loss_fn, val_loader, args.eval_steps, ctx.device))
+            model.train()
+            comm.take_mb()  # the evaluation's gathers are not part of a training step
+    state = fsdp.full_state_dict()
+    if ctx.master:
+        torch.save({"config": cfg.__dict__, "model": state}, os.path.join(args.out, "model.pt"))
+    metrics.plot()
+    print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
+    return fsdp, opt
+
+
+if __name__ == "__main__":
+    train()
+    if dist.is_initialized():
+        dist.destroy_process_group()
