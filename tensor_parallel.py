@@ -1,0 +1,531 @@
+"""
+tensor_parallel.py - Megatron-LM tensor parallelism for GPT-2, written from torch.distributed primitives:
+column/row-parallel matmuls, a vocab-parallel embedding and cross-entropy, sequence parallelism, and a
+2-D grid of tensor x data parallel ranks.
+
+The idea: a block's two matmul pairs can be cut so that ranks never exchange weights. Split the first
+matmul of each pair by output features (columns of the math, rows of nn.Linear: attention heads, MLP
+hidden units) and the second by input features; each rank then computes a partial sum of the block's
+output and one all-reduce finishes it. Attention splits the same way because heads are independent.
+The embedding and the tied LM head are cut along the vocabulary: no rank ever holds a full row of
+logits, the softmax is assembled from all-reduced maxima and sums. Sequence parallelism replaces each
+all-reduce by a reduce-scatter + all-gather (same bytes) and keeps the LayerNorm/residual stretch cut
+along the sequence, so its activations shrink by TP too.
+
+    2-D grid: world = DP x TP, rank = dp_rank * TP + tp_rank (TP neighbours share a node: NVLink)
+
+                    tp_rank 0          tp_rank 1
+        dp_rank 0    rank 0  <-- TP -->  rank 1     TP group: same batch rows, different weight shards
+        dp_rank 1    rank 2  <-- TP -->  rank 3       (activations move: all-reduce / gather / scatter)
+                       ^ DP ^              ^ DP ^   DP group: same shards, different batch rows
+                                                      (gradients move: one all-reduce per step)
+
+    one block on TP rank r of t        (E width, H heads, [..] = with --sequence-parallel)
+        x (B,T,E) replicated  [x (B,T/t,E): rank r holds tokens r*T/t .. (r+1)*T/t-1]
+        h = f(ln_1(x))                    f: fwd identity, bwd all-reduce  [fwd all-gather T, bwd reduce-scatter T]
+        q,k,v = h @ [Wq_r; Wk_r; Wv_r]^T  column-parallel: heads r*H/t .. (r+1)*H/t-1, no communication
+        y = attention(q, k, v) @ Wo_r^T   row-parallel: a partial sum of the full (B,T,E) output
+        x = x + g(y) + bo                 g: fwd all-reduce, bwd identity  [fwd reduce-scatter T, bwd all-gather T]
+        (the MLP: c_fc column-parallel (4E/t hidden units), c_proj row-parallel, the same f and g)
+
+    vocab: wte (50304,E) tied with lm_head -> rank r holds rows r*V/t .. (r+1)*V/t-1 for both
+        embed:  look up the ids in my rows, zeros elsewhere, then g (the sum picks the owner's row)
+        loss:   logits_r = f(ln_f(x)) @ wte_r^T (B,T,V/t); all-reduce max, then all-reduce
+                [sum exp, target logit]: loss = log sum exp - target; the 47 pad ids are -inf
+
+Launch:
+    torchrun --nproc_per_node=2 tensor_parallel.py --tp 2                       # CPU gloo, tiny model
+    torchrun --nproc_per_node=2 tensor_parallel.py --tp 2 --sequence-parallel
+    torchrun --nproc_per_node=4 tensor_parallel.py --tp 2 --batch-size 4        # TP=2 x DP=2
+    torchrun --nproc_per_node=8 tensor_parallel.py --model gpt2 --data data/fineweb10B --tp 4 \
+        --sequence-parallel --batch-size 16 --seq-len 1024 --grad-accum 16 --compile   # 8 GPUs: TP=4 x DP=2
+
+References: Shoeybi et al. 2019, Megatron-LM, section 3 and figures 3-4 (the f/g operators, heads and
+the vocab-parallel embedding/loss); Korthikanti et al. 2022, Reducing Activation Recomputation in Large
+Transformer Models, section 4.2.2 (sequence parallelism) and section 4.1 (activation memory);
+Narayanan et al. 2021, Efficient Large-Scale Language Model Training (section 2.3, the TP x DP grid);
+NVIDIA/Megatron-LM megatron/core/tensor_parallel; huggingface/picotron tensor_parallel.
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import gpt2
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names still work, with a warning)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# ----------------------------------------------------------------------------------------------------
+# The rank grid
+
+
+@dataclass
+class Grid:
+    """Where this rank sits: its TP group (shards of one model) and its DP group (replicas)."""
+    tp: int
+    dp: int
+    tp_rank: int
+    dp_rank: int
+    tp_group: object
+    dp_group: object
+    sequence_parallel: bool
+    meter: gpt2.CommMeter
+
+
+def make_grid(world, rank, tp, sequence_parallel=False):
+    """rank = dp_rank * tp + tp_rank. Every rank must create every group, in the same order."""
+    dp = world // tp
+    tp_group = dp_group = None
+    if world > 1:
+        for d in range(dp):
+            g = dist.new_group([d * tp + i for i in range(tp)])
+            tp_group = g if d == rank // tp else tp_group
+        for i in range(tp):
+            g = dist.new_group([d * tp + i for d in range(dp)])
+            dp_group = g if i == rank % tp else dp_group
+    return Grid(tp, dp, rank % tp, rank // tp, tp_group, dp_group, sequence_parallel, gpt2.CommMeter())
+
+
+def all_reduce(x, grid, group="tp", op=dist.ReduceOp.SUM):
+    n, g = (grid.tp, grid.tp_group) if group == "tp" else (grid.dp, grid.dp_group)
+    if n > 1:
+        dist.all_reduce(x, op=op, group=g)
+        grid.meter.all_reduce(x.numel() * x.element_size(), n)
+    return x
+
+
+def gather_sequence(x, grid):
+    """(B, T/t, ...) -> (B, T, ...): rank r's tokens land at positions r*T/t ... The gather stacks along
+    a new leading dim; Megatron keeps activations (T, B, E) so that this is copy-free, gpt2 is (B, T, E)."""
+    x = x.contiguous()
+    out = torch.empty((grid.tp * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_single(out, x, group=grid.tp_group)  # concatenated along dim 0: (t*B, T/t, ...)
+    grid.meter.all_gather(out.numel() * out.element_size(), grid.tp)
+    return out.view(grid.tp, *x.shape).transpose(0, 1).reshape(x.size(0), grid.tp * x.size(1), *x.shape[2:])
+
+
+def reduce_scatter_sequence(x, grid):
+    """(B, T, ...) partial sums -> (B, T/t, ...) full sums of this rank's tokens."""
+    B, T = x.shape[:2]
+    stacked = x.reshape(B, grid.tp, T // grid.tp, *x.shape[2:]).transpose(0, 1).contiguous()
+    out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
+    reduce_scatter_single(out, stacked.view(-1, *stacked.shape[2:]), group=grid.tp_group)  # gloo: concatenated
+    grid.meter.reduce_scatter(stacked.numel() * stacked.element_size(), grid.tp)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The conjugate operators (Megatron-LM figure 3: f before a column-parallel matmul, g after a row-parallel one)
+
+
+class CopyToTP(torch.autograd.Function):
+    """f: every rank needs the whole input; its gradient is a sum of each rank's contribution."""
+
+    @staticmethod
+    def forward(ctx, x, grid):
+        ctx.grid = grid
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.grid), None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: sum the partial outputs; each rank's partial gets the full (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, grid):
+        ctx.mark_dirty(x)  # summed in place: x is a fresh matmul output nobody else reads
+        return all_reduce(x, grid)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherSequence(torch.autograd.Function):
+    """f with sequence parallelism: all-gather the tokens; backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, grid):
+        ctx.grid = grid
+        return gather_sequence(x, grid)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad, ctx.grid), None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """g with sequence parallelism: sum the partials and keep this rank's tokens only."""
+
+    @staticmethod
+    def forward(ctx, x, grid):
+        ctx.grid = grid
+        return reduce_scatter_sequence(x, grid)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_sequence(grad, ctx.grid), None
+
+
+def enter_tp(x, grid):
+    """Into a column-parallel matmul. Under autocast the matmul would cast to bf16 anyway: cast first,
+    so the all-gather (and its reduce-scatter in backward) moves half the bytes."""
+    if grid.tp == 1:
+        return x
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    return GatherSequence.apply(x, grid) if grid.sequence_parallel else CopyToTP.apply(x, grid)
+
+
+def exit_tp(x, grid):
+    """Out of a row-parallel matmul (or the vocab-parallel embedding): sum the partial results."""
+    if grid.tp == 1:
+        return x
+    return ReduceScatterSequence.apply(x, grid) if grid.sequence_parallel else ReduceFromTP.apply(x, grid)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Parallel layers, cut out of the full (identically seeded) gpt2 model
+
+
+def shard_rows(w, grid, pieces=1):
+    """This rank's 1/t of dim 0. `pieces` packed blocks (c_attn's q, k, v) are each cut separately, so
+    rank r gets [q_r; k_r; v_r] and gpt2's attention splits them with the same chunk(3)."""
+    blocks = w.reshape(pieces, w.size(0) // pieces, *w.shape[1:])
+    n = blocks.size(1) // grid.tp
+    return blocks[:, grid.tp_rank * n:(grid.tp_rank + 1) * n].reshape(-1, *w.shape[1:]).clone()
+
+
+def column_parallel(linear: nn.Linear, grid, pieces=1) -> nn.Linear:
+    """Y_r = X W_r^T + b_r: the output features of rank r. Its input must come through enter_tp."""
+    out = nn.Linear(linear.in_features, linear.out_features // grid.tp, device=linear.weight.device)
+    with torch.no_grad():
+        out.weight.copy_(shard_rows(linear.weight, grid, pieces))
+        out.bias.copy_(shard_rows(linear.bias, grid, pieces))
+    out.weight.tp_sharded = out.bias.tp_sharded = True
+    return out
+
+
+def row_parallel(linear: nn.Linear, grid):
+    """Y = sum_r X_r W_r^T + b: rank r multiplies its input features and returns a partial sum (no bias;
+    the bias is added once, after exit_tp). Returns the local nn.Linear and the replicated bias."""
+    out = nn.Linear(linear.in_features // grid.tp, linear.out_features, bias=False, device=linear.weight.device)
+    with torch.no_grad():
+        out.weight.copy_(shard_rows(linear.weight.t(), grid).t())
+    out.weight.tp_sharded = True
+    return out, nn.Parameter(linear.bias.detach().clone())
+
+
+class ParallelBlock(nn.Module):
+    """gpt2.Block with its four matmuls cut: gpt2's own CausalSelfAttention and MLP modules run on the
+    local slices (their head count follows the width), the communication happens around them."""
+
+    def __init__(self, block: gpt2.Block, grid: Grid):
+        super().__init__()
+        self.grid = grid
+        self.ln_1, self.attn, self.ln_2, self.mlp = block.ln_1, block.attn, block.ln_2, block.mlp
+        self.attn.c_attn = column_parallel(self.attn.c_attn, grid, pieces=3)
+        self.attn.c_proj, self.attn_bias = row_parallel(self.attn.c_proj, grid)
+        self.mlp.c_fc = column_parallel(self.mlp.c_fc, grid)
+        self.mlp.c_proj, self.mlp_bias = row_parallel(self.mlp.c_proj, grid)
+
+    def forward(self, x):
+        x = x + (exit_tp(self.attn(enter_tp(self.ln_1(x), self.grid)), self.grid) + self.attn_bias)
+        return x + (exit_tp(self.mlp(enter_tp(self.ln_2(x), self.grid)), self.grid) + self.mlp_bias)
+
+
+def vocab_range(cfg, grid):
+    n = cfg.padded_vocab // grid.tp
+    return grid.tp_rank * n, (grid.tp_rank + 1) * n
+
+
+def vocab_parallel_embedding(idx, weight, grid):
+    """Rank r looks up the ids it owns and writes zeros for the others; exit_tp's sum then holds each
+    token's row exactly once (Megatron-LM section 3, the input embedding)."""
+    lo, hi = grid.tp_rank * weight.size(0), (grid.tp_rank + 1) * weight.size(0)
+    foreign = (idx < lo) | (idx >= hi)
+    x = F.embedding((idx - lo).masked_fill(foreign, 0), weight)
+    return exit_tp(x.masked_fill(foreign.unsqueeze(-1), 0.0), grid)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy from (N, V/t) logit shards. Only (N,)-sized statistics cross ranks: the row
+    max, then [sum of exp, target logit] in one all-reduce. Backward is local: softmax - one_hot."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, grid, lo, vocab_size):
+        cols = torch.arange(lo, lo + logits.size(1), device=logits.device)
+        logits = logits.masked_fill(cols >= vocab_size, float("-inf"))  # the padding ids, as gpt2.GPT.logits
+        row_max = all_reduce(logits.max(dim=1).values, grid, op=dist.ReduceOp.MAX)
+        exp = (logits - row_max.unsqueeze(1)).exp_()
+        mine = (targets >= lo) & (targets < lo + logits.size(1))
+        local_t = (targets - lo).masked_fill(~mine, 0)
+        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
+        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid)
+        loss = (stats[0].log() + row_max - stats[1]).mean()
+        ctx.save_for_backward(exp.div_(stats[0].unsqueeze(1)), mine, local_t)  # exp becomes the softmax
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, mine, local_t = ctx.saved_tensors
+        rows = torch.arange(softmax.size(0), device=softmax.device)
+        grad_logits = softmax.clone()
+        grad_logits[rows[mine], local_t[mine]] -= 1.0
+        return grad_logits.mul_(grad / softmax.size(0)), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, grid, vocab_size, lo):
+    logits = logits.float().reshape(-1, logits.size(-1))
+    return VocabParallelCrossEntropy.apply(logits, targets.reshape(-1), grid, lo, vocab_size)
+
+
+class TensorParallelGPT(nn.Module):
+    """This rank's shard of gpt2.GPT: one tied (V/t, E) slice of wte, the blocks' matmul slices, and
+    replicated LayerNorms, biases of row-parallel matmuls and wpe."""
+
+    def __init__(self, full: gpt2.GPT, grid: Grid):
+        super().__init__()
+        self.config, self.grid = full.config, grid
+        self.activation_checkpointing = full.activation_checkpointing
+        self.wte = nn.Parameter(shard_rows(full.wte.weight.detach(), grid))  # embedding AND head
+        self.wte.tp_sharded = True
+        self.wpe, self.ln_f = full.wpe, full.ln_f
+        self.h = nn.ModuleList(ParallelBlock(b, grid) for b in full.h)
+
+    def embed(self, idx):
+        x = vocab_parallel_embedding(idx, self.wte, self.grid)
+        start = self.grid.tp_rank * x.size(1) if self.grid.sequence_parallel and self.grid.tp > 1 else 0
+        return x + self.wpe(torch.arange(start, start + x.size(1), device=idx.device))
+
+    def forward_blocks(self, x):
+        for block in self.h:
+            x = checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing and self.training else block(x)
+        return x
+
+    def forward(self, idx, targets):
+        """The mean loss (the same number on every TP rank)."""
+        return self.head_loss(self.forward_blocks(self.embed(idx)), targets)
+
+    def head_loss(self, x, targets):
+        """Vocab-parallel head and loss: the full (B, T, V) logits are never formed."""
+        logits = F.linear(enter_tp(self.ln_f(x), self.grid), self.wte)  # (B, T, V/t)
+        return vocab_parallel_cross_entropy(logits, targets, self.grid, self.config.vocab_size,
+                                            vocab_range(self.config, self.grid)[0])
+
+    def full_state_dict(self):
+        """gpt2.GPT's state dict, all-gathered over the TP group (so `gpt2.py sample` can load it)."""
+        g, sd = self.grid, {}
+
+        def gather_rows(w, pieces=1):  # inverse of shard_rows
+            out = torch.empty((g.tp * w.size(0),) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
+            all_gather_single(out, w.detach().contiguous(), group=g.tp_group) if g.tp > 1 else out.copy_(w)
+            out = out.reshape(g.tp, pieces, w.size(0) // pieces, *w.shape[1:]).transpose(0, 1)
+            return out.reshape(-1, *w.shape[1:]).cpu()
+
+        sd["wte.weight"] = sd["lm_head.weight"] = gather_rows(self.wte)
+        sd["wpe.weight"] = self.wpe.weight.detach().cpu()
+        for i, b in enumerate(self.h):
+            p = f"h.{i}."
+            for name, ln in (("ln_1", b.ln_1), ("ln_2", b.ln_2)):
+                sd[p + name + ".weight"], sd[p + name + ".bias"] = ln.weight.detach().cpu(), ln.bias.detach().cpu()
+            sd[p + "attn.c_attn.weight"] = gather_rows(b.attn.c_attn.weight, 3)
+            sd[p + "attn.c_attn.bias"] = gather_rows(b.attn.c_attn.bias, 3)
+            sd[p + "attn.c_proj.weight"] = gather_rows(b.attn.c_proj.weight.t()).t().contiguous()
+            sd[p + "attn.c_proj.bias"] = b.attn_bias.detach().cpu()
+            sd[p + "mlp.c_fc.weight"], sd[p + "mlp.c_fc.bias"] = gather_rows(b.mlp.c_fc.weight), gather_rows(b.mlp.c_fc.bias)
+            sd[p + "mlp.c_proj.weight"] = gather_rows(b.mlp.c_proj.weight.t()).t().contiguous()
+            sd[p + "mlp.c_proj.bias"] = b.mlp_bias.detach().cpu()
+        sd["ln_f.weight"], sd["ln_f.bias"] = self.ln_f.weight.detach().cpu(), self.ln_f.bias.detach().cpu()
+        return sd
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gradients across the grid
+
+
+def sync_grads(model, grid):
+    """(1) With sequence parallelism each rank saw T/t tokens in the LayerNorms, the row-parallel biases
+    and wpe: sum their grads over TP (Korthikanti et al. section 4.2.2). (2) Average every grad over DP,
+    one flat bucket. Without SP the replicated grads are already identical across TP."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grid.sequence_parallel and grid.tp > 1:
+        replicated = [p.grad for p in params if not getattr(p, "tp_sharded", False)]
+        flat = all_reduce(torch.cat([g.reshape(-1) for g in replicated]), grid)
+        torch._foreach_copy_(replicated, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in replicated]), replicated)])
+    if grid.dp > 1:
+        grads = [p.grad for p in params]
+        flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), grid, group="dp").div_(grid.dp)
+        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+def clip_grad_norm(model, grid, max_norm):
+    """The GLOBAL norm: sharded grads add their squares over TP, replicated ones count once, so they are
+    divided by t before the one all-reduce. Then scale as torch.nn.utils.clip_grad_norm_ does."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sq = torch.stack([torch.linalg.vector_norm(p.grad.float()) ** 2 / (1 if getattr(p, "tp_sharded", False) else grid.tp)
+                      for p in model.parameters() if p.grad is not None]).sum()
+    norm = all_reduce(sq, grid).sqrt()
+    torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
+# ----------------------------------------------------------------------------------------------------
+# Closed forms: bytes per step and activation memory
+
+
+def comm_bytes_closed_form(cfg, args, grid, act_bytes, n_local_params):
+    """Bytes one rank sends per optimizer step (ring algorithms, gpt2.CommMeter). Per micro-step: 4
+    all-reduces of a (B,T,E) activation per block (f and g, forward and backward; recomputation with
+    activation checkpointing repeats the 2 forward ones), one for the embedding (fp32), one for the head
+    input, and the loss statistics (N fp32 maxima, then 2N). With SP each becomes an all-gather plus a
+    reduce-scatter: the same bytes. Per step: the SP grads over TP, all grads over DP, norm, loss."""
+    t, d, E, L = grid.tp, grid.dp, cfg.n_embd, cfg.n_layer
+    ar = lambda nbytes, n: 2 * (n - 1) / n * nbytes
+    N = args.batch_size * args.seq_len
+    per_layer = (4 + (2 if args.activation_checkpointing else 0)) * ar(N * E * act_bytes, t)
+    micro = L * per_layer + ar(N * E * 4, t) + ar(N * E * act_bytes, t) + ar(N * 4, t) + ar(2 * N * 4, t)
+    replicated = L * 6 * E + 2 * E + cfg.block_size * E  # LayerNorm gains/biases, row-parallel biases, wpe
+    sp = ar(replicated * 4, t) if grid.sequence_parallel else 0.0
+    return args.grad_accum * micro + sp + ar(n_local_params * 4, d) + ar(4, t) + ar(4, d)
+
+
+def saved_activation_bytes(model, idx, targets):
+    """Bytes of the tensors autograd keeps for backward during one forward (parameters excluded, views
+    of one storage counted once), as (embedding + blocks, head + loss): a micro-step's activations."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = [{}, {}]
+
+    def measure(part):
+        def pack(t):
+            s = t.untyped_storage()
+            if s.data_ptr() not in params:
+                kept[part][s.data_ptr()] = s.nbytes()
+            return t
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    with measure(0):
+        x = model.forward_blocks(model.embed(idx))
+    with measure(1):
+        loss = model.head_loss(x, targets)
+    del x, loss
+    return sum(kept[0].values()), sum(kept[1].values())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+
+
+def validate(args, cfg, world):
+    """Every size problem becomes an error before the first collective."""
+    tp = args.tp or world
+    problems = []
+    if tp < 1 or world % tp:
+        problems.append(f"--tp {tp} does not divide the world size {world}")
+    elif cfg.n_head % tp:
+        problems.append(f"{cfg.n_head} heads cannot be split over --tp {tp} ranks")
+    elif cfg.padded_vocab % tp:
+        problems.append(f"the padded vocabulary {cfg.padded_vocab} is not divisible by --tp {tp}")
+    elif args.sequence_parallel and args.seq_len % tp:
+        problems.append(f"--sequence-parallel: --seq-len {args.seq_len} is not divisible by --tp {tp}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return tp
+
+
+def main(argv=None):
+    p = gpt2.make_parser("Megatron tensor parallelism (x data parallelism) for GPT-2.")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks per model (default: all); DP = world / tp")
+    p.add_argument("--sequence-parallel", action="store_true", help="shard LayerNorm/residual activations along the sequence")
+    args = p.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    args.tp = validate(args, gpt2.model_config(args), world)
+    ctx = gpt2.setup(args)
+    grid = make_grid(ctx.world, ctx.rank, args.tp, args.sequence_parallel)
+    full = gpt2.build_model(args)
+    cfg = full.config
+    validate(args, cfg, world)  # --init-from brings its own config
+    n_params = full.num_params()
+    model = TensorParallelGPT(full.to(ctx.device), grid)
+    del full
+    train_loader, val_loader = gpt2.make_loaders(args, grid.dp_rank, grid.dp, vocab_size=cfg.vocab_size)
+    opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
+    if args.compile:  # the local math only: the collectives sit between the compiled pieces
+        for b in model.h:
+            b.attn.compile()
+            b.mlp.compile()
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * grid.dp
+    metrics = gpt2.Metrics(args, ctx, cfg, n_params, tokens_per_step)
+    profiler = gpt2.Profiler(args, ctx)
+    n_local = sum(p.numel() for p in model.parameters())
+    act_bytes = torch.finfo(ctx.dtype).bits // 8
+    expected_mb = comm_bytes_closed_form(cfg, args, grid, act_bytes, n_local) / 1e6
+    gpt2.print0(f"model {args.model}: {n_params / 1e6:.2f}M non-embedding params | grid TP={grid.tp} x DP={grid.dp}"
+                f"{' + SP' if args.sequence_parallel else ''} | {n_local / 1e6:.2f}M params on this rank | {ctx.device} {ctx.dtype}")
+
+    probe = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len),
+                          generator=torch.Generator().manual_seed(0)).to(ctx.device)
+    for sp in [False] + ([True] if grid.tp > 1 and args.seq_len % grid.tp == 0 else []):
+        grid.sequence_parallel = sp
+        with ctx.autocast():
+            blocks, head = saved_activation_bytes(model, probe, probe)
+        gpt2.print0(f"activation memory per rank, one micro-batch, {'with' if sp else 'without'} sequence parallelism: "
+                    f"{blocks / 1e6:.2f} MB embedding + blocks, {head / 1e6:.2f} MB head + loss")
+    grid.sequence_parallel = args.sequence_parallel
+    grid.meter.take_mb()
+
+    def val_loss_fn(x, y):
+        with ctx.autocast():
+            return model(x, y)
+
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = gpt2.lr_at(step, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss_sum = torch.zeros((), device=ctx.device)
+        for _ in range(args.grad_accum):
+            x, y = train_loader.next_batch()
+            with ctx.autocast():
+                loss = model(x.to(ctx.device), y.to(ctx.device))
+            loss = loss / args.grad_accum
+            loss_sum += loss.detach()
+            loss.backward()
+        sync_grads(model, grid)
+        if args.grad_clip > 0:
+            clip_grad_norm(model, grid, args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_val = all_reduce(loss_sum, grid, group="dp").item() / grid.dp  # every TP rank holds the same loss
+        gpt2.check_finite(loss_val, step)
+        comm_mb = grid.meter.take_mb()
+        metrics.log_step(step, loss_val, lr, comm_mb=comm_mb, comm_closed_form_mb=expected_mb)
+        if step == 0:
+            gpt2.print0(f"communication per step per rank: {comm_mb:.3f} MB measured, {expected_mb:.3f} MB closed form")
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            model.eval()
+            # gpt2.evaluate averages over all ranks; TP ranks hold equal losses, so that is the DP mean
+            metrics.log_val(step, gpt2.evaluate(val_loss_fn, val_loader, args.eval_steps, ctx.device))
+            model.train()
+            grid.meter.take_mb()
+    sd = model.full_state_dict()
+    if ctx.master:
+        torch.save({"config": cfg.__dict__, "model": sd}, os.path.join(args.out, "model.pt"))
+    metrics.plot()
+    gpt2.print0(f"saved {args.out}/model.pt (gathered, gpt2 layout) and {args.out}/loss.png")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
