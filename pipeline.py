@@ -1,0 +1,728 @@
+"""
+pipeline.py - pipeline parallelism from point-to-point messages: GPipe, 1F1B, DualPipe and DualPipeV,
+with every op timed, the bubble measured and the schedule drawn.
+
+The idea: cut GPT-2's stack of blocks into stages and give each rank one (or two) of them. The batch is
+split into M micro-batches that stream through the stages: while rank 1 runs its blocks on micro-batch
+0, rank 0 already runs its blocks on micro-batch 1. Only the activation at each cut (B/M x T x E) moves
+forward, and its gradient moves back. The *schedule* is the order in which a rank runs forwards (F) and
+backwards (B), or backwards split into the input gradient (I, what DualPipe calls B) and the weight
+gradient (W), which has no consumer downstream and so can wait to fill a gap. The idle time a schedule
+leaves is its bubble. Here every schedule is a plain function that returns each rank's list of ops; one
+executor runs any such list, moves tensors with batch_isend_irecv, times each op, and the last step is
+drawn to OUT/schedule.png beside the closed-form bubble.
+
+    gpipe / 1f1b, P=4 (12 layers):  stage s on rank s
+      rank0 [wte wpe h0-2] --act--> rank1 [h3-5] --act--> rank2 [h6-8] --act--> rank3 [h9-11 ln_f lm_head]
+                           <-grad--             <-grad--             <-grad--
+      lm_head is tied to wte: rank0 and rank3 each keep a copy and sum their gradients every step.
+    dualpipe, P=4: rank r holds stage r AND stage P-1-r (two copies of every stage, grads summed in pairs)
+      direction 0, mb 0..M/2-1:  rank0 S0 -> rank1 S1 -> rank2 S2 -> rank3 S3 -> loss on rank3
+      direction 1, mb M/2..M-1:  rank3 S0 -> rank2 S1 -> rank1 S2 -> rank0 S3 -> loss on rank0
+    dualpipev, P=4 (2P = 8 stages): rank r holds stage r and stage 2P-1-r; micro-batches go down the V
+      rank0 S0 -> rank1 S1 -> rank2 S2 -> rank3 S3 --+      and come back up: the loss and both uses of
+      rank0 S7 <- rank1 S6 <- rank2 S5 <- rank3 S4 <-+      the tied wte are on rank0 (one tensor).
+    --dp D: D pipeline replicas (rank = replica * P + stage rank), gradients averaged across replicas.
+
+Launch (the tiny model on CPU; add --device cuda for GPUs, where bf16 autocast and flash attention apply):
+    torchrun --nproc_per_node=2 pipeline.py --schedule 1f1b --micro-batches 4 --batch-size 8
+    torchrun --nproc_per_node=4 pipeline.py --schedule dualpipe --micro-batches 8
+    torchrun --nproc_per_node=4 pipeline.py --schedule dualpipev --micro-batches 8 --n-layer 8
+    torchrun --nproc_per_node=4 pipeline.py --schedule 1f1b --dp 2 --micro-batches 4
+    python gpt2.py train --batch-size 8 ...   # the same loss curve, step by step (fp32)
+
+References: GPipe (Huang et al. 2019); 1F1B / PipeDream-Flush (Narayanan et al. 2021, "Efficient
+Large-Scale Language Model Training on GPU Clusters using Megatron-LM", section 2.2); zero-bubble B/W
+split (Qi et al. 2023); DualPipe (DeepSeek-V3 Technical Report, section 3.2.1, and deepseek-ai/DualPipe,
+which also holds DualPipeV); torch.distributed.pipelining (compared against in tests/).
+"""
+import collections
+import contextlib
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gpt2
+from gpt2 import print0
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "dualpipe", "dualpipev")
+
+# ----------------------------------------------------------------------------------------------------
+# Schedules: rank r's ordered list of ops. An op is (kind, stage, micro-batch), kind one of
+#   F forward | B full backward (input and weight gradients) | I input-gradient half of a backward |
+#   W weight-gradient half, deferred (zero-bubble split, Qi et al. 2023)
+
+Op = collections.namedtuple("Op", "kind stage mb")
+
+
+def gpipe(P, M, rank):
+    """GPipe: all M forwards, then all M backwards; all M micro-batches' activations are held at once."""
+    return [Op("F", rank, i) for i in range(M)] + [Op("B", rank, i) for i in range(M)]
+
+
+def one_f_one_b(P, M, rank):
+    """1F1B (PipeDream-Flush): the same bubble as GPipe, but a rank holds at most P - rank micro-batches."""
+    warmup = min(P - 1 - rank, M)  # forwards to issue before the first backward comes back
+    ops = [Op("F", rank, i) for i in range(warmup)]
+    for i in range(M - warmup):  # steady state: one forward, one backward
+        ops += [Op("F", rank, warmup + i), Op("B", rank, i)]
+    ops += [Op("B", rank, i) for i in range(M - warmup, M)]  # cooldown: drain the backwards
+    return ops
+
+
+class _OpList:
+    """Numbers micro-batches per (stage, F or backward) as a schedule emits ops, and queues the W of every
+    I so that W() runs the oldest pending weight gradient (first in, first out, as DualPipe does)."""
+
+    def __init__(self, mb_base):
+        self.ops, self.next, self.pending_w, self.mb_base = [], collections.Counter(), collections.deque(), mb_base
+
+    def add(self, kind, stage):
+        key = (stage, kind == "F")
+        mb = self.mb_base.get(stage, 0) + self.next[key]
+        self.next[key] += 1
+        self.ops.append(Op(kind, stage, mb))
+        if kind == "I":
+            self.pending_w.append((stage, mb))
+
+    def W(self):
+        if self.pending_w:
+            self.ops.append(Op("W", *self.pending_w.popleft()))
+
+
+def dualpipe(P, M, rank):
+    """DualPipe (DeepSeek-V3 section 3.2.1): micro-batches enter from both ends at once; rank r holds stage r
+    of direction 0 and stage P-1-r of direction 1. Phase 0 is the direction fed from this rank's own end
+    (direction 0 on the first half of the ranks, direction 1 on the second), phase 1 the other. In the
+    main phase a forward of one direction is paired with a backward of the other (F&B, which on GPUs
+    overlaps one's communication with the other's compute); some backwards are split and their W fill the
+    bubbles. The eight phases and their lengths follow deepseek-ai/DualPipe."""
+    half, h = P // 2, min(rank, P - 1 - rank)
+    second = rank >= half
+    stage = {0: rank, 1: P - 1 - rank}  # direction -> this rank's stage in it
+    o = _OpList({P - 1 - rank: M // 2})  # direction 1 carries micro-batches M/2 .. M-1
+    F_ = lambda phase: o.add("F", stage[phase ^ second])
+    B_ = lambda phase, zb=False: o.add("I" if zb else "B", stage[phase ^ second])
+    for _ in range((half - h - 1) * 2):  # 1: nF0, fill the pipe from my end
+        F_(0)
+    for _ in range(h + 1):  # 2: nF0F1, the other direction's first micro-batches arrive
+        F_(0), F_(1)
+    for _ in range(half - h - 1):  # 3: nB1W1F1, zero bubble: the W runs right away
+        B_(1, zb=True), o.W(), F_(1)
+    for _ in range(M // 2 - P + h + 1):  # 4: main, nF0B1F1B0 (F&B pairs)
+        F_(0), B_(1), F_(1), B_(0)
+    for _ in range(half - h - 1):  # 5: nB1F1B0
+        B_(1), F_(1), B_(0)
+    zb = False
+    for i in range(h + 1):  # 6: nB1B0, the second half of these backwards split into I and W
+        zb = zb or (i == (h + 1) // 2 and h % 2 == 1)
+        B_(1, zb)
+        zb = zb or (i == (h + 1) // 2 and h % 2 == 0)
+        B_(0, zb)
+    for _ in range(half - h - 1):  # 7: nWB0, weight gradients fill the drain
+        o.W(), B_(0, zb=True)
+    for _ in range(h + 1):  # 8: nW, the remaining weight gradients
+        o.W()
+    return o.ops
+
+
+def dualpipev(P, M, rank):
+    """DualPipeV: DualPipe "cut in half" (deepseek-ai/DualPipe): one feed, 2P stages laid out as a V, rank r
+    holds stage r (going down) and stage 2P-1-r (coming back). Same eight phases, one copy of the weights."""
+    s0, s1 = rank, 2 * P - 1 - rank
+    o = _OpList({})
+    for _ in range((P - rank - 1) * 2):  # 1: nF0
+        o.add("F", s0)
+    for _ in range(rank + 1):  # 2: nF0F1
+        o.add("F", s0), o.add("F", s1)
+    for _ in range(P - rank - 1):  # 3: nI1W1F1 (zero bubble)
+        o.add("I", s1), o.W(), o.add("F", s1)
+    for _ in range(M - 2 * P + rank + 1):  # 4: main, nF0B1F1B0 (F&B pairs)
+        o.add("F", s0), o.add("B", s1), o.add("F", s1), o.add("B", s0)
+    for _ in range(P - rank - 1):  # 5: nB1F1B0
+        o.add("B", s1), o.add("F", s1), o.add("B", s0)
+    zb = False
+    for i in range(rank + 1):  # 6: nB1B0, the second half split into I and W
+        zb = zb or (i == (rank + 1) // 2 and rank % 2 == 1)
+        o.add("I" if zb else "B", s1)
+        zb = zb or (i == (rank + 1) // 2 and rank % 2 == 0)
+        o.add("I" if zb else "B", s0)
+    for _ in range(P - rank - 1):  # 7: nWB0
+        o.W(), o.add("I", s0)
+    for _ in range(rank + 1):  # 8: nW
+        o.W()
+    return o.ops
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "dualpipe": dualpipe, "dualpipev": dualpipev}
+
+
+def num_stages(schedule, P):
+    return 2 * P if schedule == "dualpipev" else P
+
+
+def stage_owner(schedule, P, M, stage, mb):
+    """The pipeline rank that runs `stage` for micro-batch `mb`."""
+    if schedule == "dualpipe":
+        return stage if mb < M // 2 else P - 1 - stage
+    if schedule == "dualpipev":
+        return stage if stage < P else 2 * P - 1 - stage
+    return stage
+
+
+def stages_of(schedule, P, rank):
+    return {"dualpipe": (rank, P - 1 - rank), "dualpipev": (rank, 2 * P - 1 - rank)}.get(schedule, (rank,))
+
+
+def forward_only(schedule, P, M, rank):
+    """Validation: forwards only, lower stages first (a topological order in every layout)."""
+    return [Op("F", s, i) for s in sorted(stages_of(schedule, P, rank)) for i in range(M)
+            if stage_owner(schedule, P, M, s, i) == rank]
+
+
+def simulate(schedule, P, M, cost, orders=None):
+    """Run every rank's op list against the data dependencies with op durations `cost` (kind -> time) and
+    free communication. Returns per-rank [(op, start, end)]; raises if the lists deadlock. With F=1,
+    B=2 it reproduces the closed forms; with measured durations it is the ideal the hardware aims at."""
+    orders = orders or [SCHEDULES[schedule](P, M, r) for r in range(P)]
+    last = num_stages(schedule, P) - 1
+
+    def waits_for(op):  # the op on another stage whose result this op consumes
+        if op.kind == "F" and op.stage > 0:
+            return ("F", op.stage - 1, op.mb)
+        if op.kind in "BI" and op.stage < last:
+            return ("B", op.stage + 1, op.mb)
+        return None
+
+    done, out, pos, free = {}, [[] for _ in range(P)], [0] * P, [0.0] * P
+    while any(pos[r] < len(orders[r]) for r in range(P)):
+        progressed = False
+        for r in range(P):
+            while pos[r] < len(orders[r]):
+                op = orders[r][pos[r]]
+                dep = waits_for(op)
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[r], done[dep] if dep else 0.0)
+                free[r] = start + cost[op.kind]
+                done[("B" if op.kind == "I" else op.kind, op.stage, op.mb)] = free[r]
+                out[r].append((op, start, free[r]))
+                pos[r], progressed = pos[r] + 1, True
+        if not progressed:
+            raise RuntimeError(f"{schedule}: the op lists deadlock (P={P}, M={M})")
+    return out
+
+
+def bubble_fraction(spans_by_rank):
+    """Mean over ranks of the idle share of the makespan, from [(op, start, end)] per rank."""
+    t0 = min(s[1] for spans in spans_by_rank for s in spans)
+    t1 = max(s[2] for spans in spans_by_rank for s in spans)
+    busy = [sum(e - s for _, s, e in spans) for spans in spans_by_rank]
+    return sum((t1 - t0) - b for b in busy) / len(busy) / (t1 - t0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checks that run before the first collective (bad input -> a clear error, never a hang)
+
+
+def check_args(args, world):
+    """Returns P, the pipeline depth; raises ValueError naming the flag to change."""
+    if args.dp < 1 or world % args.dp:
+        raise ValueError(f"--dp {args.dp} does not divide the {world} ranks")
+    P, M, S = world // args.dp, args.micro_batches, None
+    S = num_stages(args.schedule, P)
+    L = gpt2.model_config(args).n_layer
+    if M < 1 or args.batch_size % M:
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by --micro-batches {M}")
+    if L % S:
+        raise ValueError(f"--n-layer {L} is not divisible into {S} stages ({args.schedule} with P={P} ranks per pipeline)")
+    if args.schedule == "dualpipe" and P % 2:
+        raise ValueError(f"dualpipe needs an even number of ranks per pipeline, got P={P}")
+    if args.schedule == "1f1b" and M < P:
+        raise ValueError(f"1f1b needs --micro-batches >= P={P} to fill the pipeline, got {M}")
+    if args.schedule in ("dualpipe", "dualpipev") and (M < 2 * P or M % 2):
+        raise ValueError(f"{args.schedule} needs an even --micro-batches >= 2P = {2 * P}, got {M}")
+    if args.schedule in ("dualpipe", "dualpipev") and (args.compile or args.activation_checkpointing):
+        raise ValueError(f"{args.schedule} splits backwards into I and W by recording the forward's matmul "
+                         f"inputs; --compile and --activation-checkpointing are supported with gpipe and 1f1b")
+    return P
+
+
+# ----------------------------------------------------------------------------------------------------
+# The executor: runs one rank's op list, moving activations and gradients with batch_isend_irecv
+
+
+class Timeline:
+    """Start and end of every op, in ms from reset(). CUDA events on the GPU, so timing adds no syncs."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.reset()
+
+    def reset(self):
+        self.ops = []
+        if self.cuda:
+            self.t0 = torch.cuda.Event(enable_timing=True)
+            self.t0.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    @contextlib.contextmanager
+    def op(self, op):
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            yield
+            b.record()
+            self.ops.append((op, a, b))
+        else:
+            a = time.perf_counter()
+            yield
+            self.ops.append((op, (a - self.t0) * 1e3, (time.perf_counter() - self.t0) * 1e3))
+
+    def spans(self):
+        if not self.cuda:
+            return list(self.ops)
+        torch.cuda.synchronize()
+        return [(op, self.t0.elapsed_time(a), self.t0.elapsed_time(b)) for op, a, b in self.ops]
+
+
+class Pipeline:
+    """This rank's stages of GPT-2 and the machinery to run any schedule over them."""
+
+    def __init__(self, args, ctx, P, comm):
+        self.args, self.ctx, self.P, self.M, self.comm = args, ctx, P, args.micro_batches, comm
+        self.schedule, self.D = args.schedule, args.dp
+        self.pp_rank, self.replica = ctx.rank % P, ctx.rank // P
+        self.base = self.replica * P  # global rank of this replica's pipeline rank 0
+        self.S = num_stages(self.schedule, P)
+        model = gpt2.build_model(args)  # the full model from --seed, then keep only this rank's stages
+        self.cfg, self.n_params = model.config, model.num_params()
+        per = self.cfg.n_layer // self.S
+        self.layers = {s: (s * per, (s + 1) * per) for s in range(self.S)}
+        self.my_stages = stages_of(self.schedule, P, self.pp_rank)
+        keep = {i for s in self.my_stages for i in range(*self.layers[s])}
+        for i in range(self.cfg.n_layer):
+            if i not in keep:
+                model.h[i] = nn.Identity()
+        self.first, self.last = 0 in self.my_stages, self.S - 1 in self.my_stages
+        if not self.first:
+            model.wte, model.wpe = None, None  # on the last stage lm_head still holds the tied matrix
+        if not self.last:
+            model.ln_f, model.lm_head = None, None
+        self.model = model.to(ctx.device)
+        if args.compile:  # per block, so the stage cuts stay plain Python
+            for i in sorted(keep):
+                self.model.h[i].compile()
+        self.orders = [SCHEDULES[self.schedule](P, self.M, r) for r in range(P)]
+        self.eval_orders = [forward_only(self.schedule, P, self.M, r) for r in range(P)]
+        self._tape = None
+        if self.schedule in ("dualpipe", "dualpipev"):  # record matmul/LayerNorm inputs for W
+            for m in self.model.modules():
+                if isinstance(m, (nn.Linear, nn.LayerNorm)):
+                    m.register_forward_hook(self._record)
+        self.timeline = Timeline(ctx.device)
+        self.peak_held = 0
+        self._make_groups()
+        if ctx.world > 1:
+            dist.barrier()  # brings every NCCL communicator up before the first (partial) batch_isend_irecv
+
+    # -- process groups (every rank creates every group, in the same order) ---------------------------
+
+    def _make_groups(self):
+        P, D, r = self.P, self.D, self.ctx.rank
+        # None is the default group: used when a group would span every rank (or only this one)
+        new = lambda ranks: dist.new_group(ranks) if 1 < len(ranks) < self.ctx.world else None
+        self.pp_group = self.grad_group = self.embed_group = None
+        for d in range(D):  # one pipeline per replica: the loss and the grad norm are summed in it
+            g = new(list(range(d * P, (d + 1) * P)))
+            if d == self.replica:
+                self.pp_group = g
+        # ranks holding a copy of the same parameters: the replicas, and in dualpipe the pair r, P-1-r
+        # (DeepSeek-V3 3.2.1: "two copies of the model parameters"); their gradients are summed
+        for p in range(P):
+            pair = sorted({p, P - 1 - p}) if self.schedule == "dualpipe" else [p]
+            if pair[0] != p:
+                continue
+            ranks = sorted(d * P + q for d in range(D) for q in pair)
+            g = new(ranks)
+            if r in ranks:
+                self.grad_group, self.grad_group_size = g, len(ranks)
+        # the tied wte/lm_head when the first and last stage are on different ranks (gpipe, 1f1b): each
+        # keeps a copy and their gradients are summed every step, as Megatron-LM's embedding group does
+        self.tied_split = self.schedule in ("gpipe", "1f1b") and P > 1
+        if self.tied_split:
+            for d in range(D):
+                ends = [d * P, d * P + P - 1]
+                g = new(ends)
+                if r in ends:
+                    self.embed_group = g
+
+    def parameters(self):
+        return [p for p in self.model.parameters()]
+
+    def norm_parameters(self):
+        """The parameters whose gradient this rank adds to the global norm: every parameter exactly once."""
+        if self.schedule == "dualpipe":  # the pair r, P-1-r holds the same stages: the lower rank counts
+            return self.parameters() if self.pp_rank < self.P // 2 else []
+        if self.tied_split and self.last:  # the head's copy of wte is counted on the first stage
+            return [p for p in self.parameters() if p is not self.model.lm_head.weight]
+        return self.parameters()
+
+    # -- messages ---------------------------------------------------------------------------------------
+
+    def _owner(self, stage, mb):
+        return stage_owner(self.schedule, self.P, self.M, stage, mb)
+
+    def _sends(self, order):
+        """(destination, message) for every message a rank with op list `order` sends, in its order."""
+        for op in order:
+            if op.kind == "F" and op.stage < self.S - 1:
+                yield self._owner(op.stage + 1, op.mb), ("act", op.stage + 1, op.mb)
+            if op.kind in "BI" and op.stage > 0:
+                yield self._owner(op.stage - 1, op.mb), ("grad", op.stage - 1, op.mb)
+
+    def _tag(self, key):
+        return ((key[0] == "grad") * self.S + key[1]) * self.M + key[2]
+
+    def _send(self, key, tensor):
+        dst = self._owner(key[1], key[2])
+        if dst == self.pp_rank:  # the turn of the V in dualpipev: stage P-1 feeds stage P on this rank
+            self.inbox[key] = (tensor.detach(), [])
+            return
+        t = tensor.detach().contiguous()
+        self.outbox.append(dist.P2POp(dist.isend, t, self.base + dst, tag=self._tag(key)))
+        self.comm.send(t.numel() * t.element_size())
+
+    def _exchange(self, need=()):
+        """Post the pending sends together with the receives `need` calls for, in one batch_isend_irecv.
+        Receives from a peer are posted in the order the peer sends (every rank knows every rank's op
+        list), so the n-th receive always matches the n-th send: NCCL matches by order, not by tag.
+        Sends are waited for only at the end of the step, so a rank never blocks on its own sends."""
+        recvs = []
+        for key in need:
+            if key in self.inbox:
+                continue
+            src = self._owner(key[1] - 1 if key[0] == "act" else key[1] + 1, key[2])
+            while key not in self.inbox:
+                k = self.expect[src].popleft()
+                buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.ctx.device)
+                recvs.append((k, dist.P2POp(dist.irecv, buf, self.base + src, tag=self._tag(k))))
+                self.inbox[k] = (buf, [])
+        ops = self.outbox + [op for _, op in recvs]
+        if ops:
+            works = dist.batch_isend_irecv(ops)
+            # gloo answers one work per op, NCCL one for the whole (grouped) batch
+            per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
+            self.sent += [(w, op.tensor) for w, op in zip(per_op, self.outbox)]  # keeps send buffers alive
+            for (k, op), w in zip(recvs, per_op[len(self.outbox):]):
+                self.inbox[k] = (op.tensor, w)
+        self.outbox = []
+
+    def _take(self, key):
+        tensor, works = self.inbox.pop(key)
+        for w in works:
+            w.wait()
+        return tensor
+
+    # -- compute ----------------------------------------------------------------------------------------
+
+    def _record(self, module, inputs, output):
+        if self._tape is not None:
+            self._tape.append((module, inputs[0], output))
+
+    def _forward(self, op, xs, ys):
+        s, mb = op.stage, op.mb
+        lo, hi = self.layers[s]
+        tape = [] if (s, mb) in self.split else None
+        self._tape = tape
+        with self.ctx.autocast():
+            if s == 0:
+                h_in, h = None, self.model.embed(xs[mb])
+                if tape is not None:
+                    tape.append(("embed", xs[mb], h))
+            else:
+                h_in = h = self._take(("act", s, mb)).requires_grad_(torch.is_grad_enabled())
+            h = self.model.forward_blocks(h, lo, hi)
+            if s == self.S - 1:
+                # loss of a step = mean over micro-batches, so each micro-batch's loss is scaled by 1/M
+                out = self.model.head_loss(h, ys[mb]) * self.scale
+                self.loss_sum += out.detach().float()
+        self._tape = None
+        if s < self.S - 1:
+            out = h
+            self._send(("act", s + 1, mb), h)
+        if torch.is_grad_enabled():
+            self.saved[(s, mb)] = (h_in, out, tape)
+
+    def _backward(self, op):
+        s, mb = op.stage, op.mb
+        h_in, out, tape = self.saved.pop((s, mb))
+        grad = None if s == self.S - 1 else self._take(("grad", s, mb))
+        if op.kind == "B":
+            torch.autograd.backward(out, grad)
+            g_in = h_in.grad if h_in is not None else None
+        else:
+            # I: the gradient w.r.t. the stage input (needed downstream now) and w.r.t. every matmul's and
+            # LayerNorm's output; autograd skips the weight-gradient matmuls, which W does later
+            inputs = ([h_in] if h_in is not None else []) + [t for _, _, t in tape]
+            grads = torch.autograd.grad(out, inputs, grad)
+            g_in = grads[0] if h_in is not None else None
+            self.deferred[(s, mb)] = [(m, x, dy) for (m, x, _), dy in zip(tape, grads[len(grads) - len(tape):])]
+        if s > 0:
+            self._send(("grad", s - 1, mb), g_in)
+
+    def _weight(self, op):
+        """W: the weight gradients of one I, from the recorded inputs x and output gradients dy."""
+        for m, x, dy in self.deferred.pop((op.stage, op.mb)):
+            if m == "embed":  # x are token ids: wte gathers rows, wpe adds over the batch
+                _accumulate(self.model.wte.weight, None, rows=(x.reshape(-1), dy.reshape(-1, dy.size(-1))))
+                _accumulate(self.model.wpe.weight, None, rows=(torch.arange(dy.size(1), device=dy.device), dy.sum(0)))
+                continue
+            dy2 = dy.reshape(-1, dy.size(-1))
+            if isinstance(m, nn.Linear):
+                _accumulate(m.weight, dy2.t() @ x.reshape(-1, x.size(-1)).to(dy2.dtype))
+            else:  # LayerNorm: y = xhat * gamma + beta
+                xhat = F.layer_norm(x.float(), m.normalized_shape, eps=m.eps).reshape(-1, dy.size(-1))
+                _accumulate(m.weight, (dy2.float() * xhat).sum(0))
+            if m.bias is not None:
+                _accumulate(m.bias, dy2.float().sum(0))
+
+    def run(self, orders, x, y, scale, align=False):
+        """Run this rank's op list on the batch (x, y) -> this rank's part of the loss (sum of scaled
+        micro-batch losses; non-zero only where a last stage lives)."""
+        me = self.pp_rank
+        self.expect = {p: collections.deque(k for dst, k in self._sends(orders[p]) if dst == me)
+                       for p in range(self.P) if p != me}
+        self.split = {(op.stage, op.mb) for op in orders[me] if op.kind == "I"}
+        self.inbox, self.outbox, self.sent, self.saved, self.deferred = {}, [], [], {}, {}
+        B = x.size(0) // self.M
+        self.act_shape, self.scale = (B, x.size(1), self.cfg.n_embd), scale
+        xs, ys = x.to(self.ctx.device).split(B), y.to(self.ctx.device).split(B)
+        self.loss_sum = torch.zeros((), device=self.ctx.device)
+        if align and self.ctx.world > 1:
+            dist.barrier()  # start the drawn step together, so the ranks' clocks line up in the picture
+        self.timeline.reset()
+        for op in orders[me]:
+            if op.kind == "F" and op.stage > 0:
+                self._exchange([("act", op.stage, op.mb)])
+            elif op.kind in "BI" and op.stage < self.S - 1:
+                self._exchange([("grad", op.stage, op.mb)])
+            else:
+                self._exchange()
+            with self.timeline.op(op):
+                if op.kind == "F":
+                    self._forward(op, xs, ys)
+                elif op.kind == "W":
+                    self._weight(op)
+                else:
+                    self._backward(op)
+            self.peak_held = max(self.peak_held, len(self.saved.keys() | self.deferred.keys()))
+        self._exchange()
+        for works, _ in self.sent:
+            for w in works:
+                w.wait()
+        assert not (self.inbox or self.saved or self.deferred or any(self.expect.values())), "schedule left work behind"
+        self.sent = []
+        return self.loss_sum
+
+    def forward_backward(self, x, y, scale, align=False):
+        return self.run(self.orders, x, y, scale, align)
+
+    # -- gradient synchronisation, norm, loss -----------------------------------------------------------
+
+    def sync_grads(self):
+        params = self.parameters()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.tied_split and (self.first or self.last):
+            w = self.model.wte.weight if self.first else self.model.lm_head.weight
+            dist.all_reduce(w.grad, group=self.embed_group)
+            self.comm.all_reduce(w.grad.numel() * w.grad.element_size(), 2)
+        if self.grad_group_size > 1:  # sum over the copies, average over the D replicas
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=self.grad_group)
+            self.comm.all_reduce(flat.numel() * flat.element_size(), self.grad_group_size)
+            flat /= self.D
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
+
+    def clip_grad_norm(self, max_norm):
+        """torch.nn.utils.clip_grad_norm_ over the whole model, each parameter counted once."""
+        grads = [p.grad for p in self.norm_parameters()]
+        sq = torch.zeros((), device=self.ctx.device)
+        if grads:
+            sq = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).square().sum()
+        if self.P > 1:
+            dist.all_reduce(sq, group=self.pp_group)
+            self.comm.all_reduce(4, self.P)
+        total = sq.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.parameters():
+            p.grad.mul_(coef)
+        return total
+
+    def global_loss(self, loss_sum):
+        if self.ctx.world > 1:  # the last stages hold the losses; the mean over replicas is the step's loss
+            dist.all_reduce(loss_sum)
+            self.comm.all_reduce(4, self.ctx.world)
+        return (loss_sum / self.D).item()
+
+    @torch.no_grad()
+    def evaluate(self, loader, steps):
+        loader.load_state_dict({"shard": 0, "pos": 0})
+        total = torch.zeros((), device=self.ctx.device)
+        for _ in range(steps):
+            x, y = loader.next_batch()
+            total += self.run(self.eval_orders, x, y, 1.0 / self.M)
+        return self.global_loss(total / steps)
+
+
+def _accumulate(p, g, rows=None):
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    if rows is not None:
+        p.grad.index_add_(0, rows[0], rows[1].to(p.dtype))
+    else:
+        p.grad += g.to(p.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bubble report and the schedule picture
+
+
+def report(pipe, args):
+    """Gather the drawn step's op times to rank 0; print the measured bubble beside the closed form and
+    beside a simulation with the measured op durations; draw OUT/schedule.png; write OUT/schedule.json."""
+    spans = [(tuple(op), a, b) for op, a, b in pipe.timeline.spans()]
+    mine = {"rank": pipe.ctx.rank, "spans": spans, "peak_held": pipe.peak_held}
+    gathered = [None] * pipe.ctx.world if pipe.ctx.master else None
+    if pipe.ctx.world > 1:
+        dist.gather_object(mine, gathered, dst=0)
+    else:
+        gathered = [mine]
+    if not pipe.ctx.master:
+        return None
+    P, M, name = pipe.P, pipe.M, args.schedule
+    ranks = [[(Op(*op), a, b) for op, a, b in g["spans"]] for g in gathered[:P]]  # replica 0
+    measured = bubble_fraction(ranks)
+    mean = {k: sum(b - a for r in ranks for op, a, b in r if op.kind == k) /
+               max(1, sum(op.kind == k for r in ranks for op, _, _ in r)) for k in "FBIW"}
+    cost = dict(mean)
+    cost["B"] = cost["B"] or cost["I"] + cost["W"]
+    cost["I"] = cost["I"] or cost["B"] / 2
+    simulated = bubble_fraction(simulate(name, P, M, cost))
+    if name in ("gpipe", "1f1b"):
+        closed = f"(P-1)/(M+P-1) = {(P - 1) / (M + P - 1):.3f}"
+    else:  # DeepSeek-V3 table 2, in time per rank; DualPipeV is DualPipe over 2P half-stages
+        n = P / 2 - 1 if name == "dualpipe" else P - 1
+        closed = (f"({'P/2' if name == 'dualpipe' else 'P'}-1)(F&B+B-3W) = {n * (cost['F'] + 2 * cost['B'] - 3 * cost['W']):.2f} ms "
+                  f"idle per rank with F={cost['F']:.2f} B={cost['B']:.2f} W={cost['W']:.2f} ms, F&B=F+B")
+    t1 = max(b for r in ranks for _, _, b in r) - min(a for r in ranks for _, a, _ in r)
+    idle = sum(t1 - sum(b - a for _, a, b in r) for r in ranks) / P
+    held = [g["peak_held"] for g in gathered[:P]]
+    print0(f"{name} P={P} M={M}: measured bubble {measured:.3f} of {t1:.1f} ms ({idle:.2f} ms idle per rank) | "
+           f"closed form {closed} | simulated with measured op times {simulated:.3f}")
+    print0(f"peak micro-batch activations held per rank: {held}")
+    stats = {"schedule": name, "P": P, "M": M, "bubble": measured, "simulated": simulated, "idle_ms": idle,
+             "op_ms": mean, "peak_held": held, "spans": [[(op, a, b) for op, a, b in g["spans"]] for g in gathered]}
+    with open(os.path.join(args.out, "schedule.json"), "w") as f:
+        json.dump(stats, f)
+    way_back = lambda op: op.stage >= P or (name == "dualpipe" and op.mb >= M // 2)
+    draw_schedule(ranks, os.path.join(args.out, "schedule.png"), f"{name}: P={P}, M={M}, measured bubble {measured:.1%}", way_back)
+    return stats
+
+
+def draw_schedule(ranks, path, title, pale):
+    """Ranks as rows, one box per op coloured by kind, its micro-batch inside; the second direction of
+    dualpipe and the way back up dualpipev's V are drawn paler."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    colours = {"F": "#4C72B0", "B": "#55A868", "I": "#8BD3A0", "W": "#DD8452"}
+    names = {"F": "F forward", "B": "B backward", "I": "I backward for inputs", "W": "W backward for weights"}
+    t0 = min(a for r in ranks for _, a, _ in r)
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.2))
+    for row, spans in enumerate(ranks):
+        for op, a, b in spans:
+            ax.barh(row, b - a, left=a - t0, color=colours[op.kind], edgecolor="black", linewidth=0.5,
+                    alpha=0.55 if pale(op) else 1.0)
+            ax.text((a + b) / 2 - t0, row, str(op.mb), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step started (numbers: micro-batch)")
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=c, label=names[k]) for k, c in colours.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -0.35), ncol=4, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training loop (gpt2.train's order: lr, micro-steps, clip, step, zero_grad, check, log, eval)
+
+
+def make_parser():
+    p = gpt2.make_parser("Train GPT-2 with pipeline parallelism (GPipe, 1F1B, DualPipe, DualPipeV).")
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES, help="pipeline schedule")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches M that --batch-size is split into")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel pipeline replicas D (world = P * D)")
+    return p
+
+
+def train(argv=None):
+    args = make_parser().parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    P = check_args(args, world)
+    ctx = gpt2.setup(args)
+    comm = gpt2.CommMeter()
+    pipe = Pipeline(args, ctx, P, comm)
+    train_loader, val_loader = gpt2.make_loaders(args, pipe.replica, args.dp, pipe.cfg.vocab_size)
+    opt = gpt2.make_adamw(gpt2.optimizer_groups(pipe.model, args.weight_decay), args, ctx.device)
+    tokens = args.batch_size * args.seq_len * args.grad_accum * args.dp
+    metrics = gpt2.Metrics(args, ctx, pipe.cfg, pipe.n_params, tokens)
+    profiler = gpt2.Profiler(args, ctx)
+    print0(f"{args.schedule}: P={P} ranks per pipeline x D={args.dp} replicas, {pipe.S} stages of "
+           f"{pipe.cfg.n_layer // pipe.S} blocks, M={args.micro_batches} micro-batches of "
+           f"{args.batch_size // args.micro_batches} | device {ctx.device} {ctx.dtype}")
+    scale = 1.0 / (args.micro_batches * args.grad_accum)
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = gpt2.lr_at(step, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss_sum = torch.zeros((), device=ctx.device)
+        for _ in range(args.grad_accum):
+            x, y = train_loader.next_batch()
+            loss_sum += pipe.forward_backward(x, y, scale, align=step == args.steps - 1)
+        pipe.sync_grads()
+        loss_val = pipe.global_loss(loss_sum)
+        if args.grad_clip > 0:
+            pipe.clip_grad_norm(args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        gpt2.check_finite(loss_val, step)
+        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb())
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            pipe.model.eval()
+            metrics.log_val(step, pipe.evaluate(val_loader, args.eval_steps))
+            pipe.model.train()
+    report(pipe, args)
+    metrics.plot()
+    print0(f"wrote {args.out}/metrics.jsonl, loss.png and schedule.png")
+    return pipe
+
+
+if __name__ == "__main__":
+    train()
+    if dist.is_initialized():
+        dist.destroy_process_group()
