@@ -1,0 +1,409 @@
+"""
+fp8.py - fine-grained (tile-scaled) fp8 matmuls and fp8 training of GPT-2, checked against the baseline.
+
+The idea: fp8 e4m3 keeps 3 mantissa bits and a range of only 2^-9..448, so a tensor must be scaled into
+that range before the cast. One scale per tensor lets a single outlier push every other value into the
+subnormals; DeepSeek-V3 (tech report section 3.3) instead gives every 1x128 tile of an activation and every
+128x128 block of a weight its own scale (amax/448, computed online each step). A matmul then cannot use one
+scale for the whole product, so K is cut into 128-wide chunks: the tensor core multiplies a chunk in fp8, the
+partial sum is promoted to fp32, multiplied by that chunk's two scales and accumulated in fp32 (which also
+sidesteps the ~14-bit accumulator of Hopper's fp8 tensor cores). The four Linear layers of every block run
+this way in forward (x @ W^T), dgrad (dy @ W) and wgrad (dy^T @ x); the master weights, the optimizer,
+embeddings, LayerNorm, attention and the head stay in high precision. `--fp8 off` is the identical run
+without it: an fp8 loss curve means something only next to that baseline.
+
+    forward  y  = x @ W^T      x: 1x128 tiles along K        W: 128x128 blocks
+    dgrad    dx = dy @ W       dy: 1x128 tiles along N       W^T: the same blocks, transposed (no requant)
+    wgrad    dW = dy^T @ x     dy^T, x^T: 1x128 tiles along the TOKEN dim (re-cut: the contraction moved)
+
+        x (M,K) fp32/bf16          W (N,K) fp32 master
+          |  amax per 1x128          |  amax per 128x128
+          v                          v
+        x_fp8 + sx (M,K/128)       W_fp8 + sW (N/128,K/128)     <- saved for backward (1 byte/element)
+                 \\                 /
+         for k in K/128 chunks:  acc(fp32) += (x_fp8[:,k] @ W_fp8[:,k]^T) * sx[:,k] * sW[:,k]
+                                   \\___ tensor core, fp8 ___/   \\_ promotion to fp32 (CUDA cores) _/
+
+    data parallel: every rank holds the whole model; after the micro-steps each rank all-reduces (sums) its
+    fp32 gradients in one flat bucket and divides by the world size -> identical optimizer steps everywhere
+
+Launch:
+    torchrun --nproc_per_node=2 fp8.py --fp8 off --device cpu --steps 60 --seq-len 64 --out out/fp8
+    torchrun --nproc_per_node=2 fp8.py --fp8 on  --device cpu --steps 60 --seq-len 64 --out out/fp8
+        -> the second run draws out/fp8/fp8_vs_baseline.png and prints the final-loss gap
+    torchrun --nproc_per_node=8 fp8.py --fp8 on --model gpt2 --data data/fineweb10B --batch-size 16 --seq-len 1024
+    python tests/bench_fp8.py          # fp8 vs bf16 GEMM TFLOP/s on a GPU; emulation accuracy on CPU
+
+On CPU the fp8 GEMM is an exact emulation (fp8 values, per-chunk fp32 promotion); on CUDA (sm_89+) it is
+torch._scaled_mm with 1x128 / 128x128 block scales where torch and cuBLAS (>= 12.9, sm_90) support them,
+else one row-wise-scaled _scaled_mm per 128-wide K chunk, summed in fp32.
+
+References: DeepSeek-V3 technical report (arXiv 2412.19437) sections 3.3 (fine-grained quantization,
+increasing accumulation precision, online quantization) and 3.5.2 (the transposed re-quantization for
+wgrad); Micikevicius et al. 2022, "FP8 formats for deep learning" (e4m3/e5m2); DeepSeek's DeepGEMM;
+PyTorch's torch._scaled_mm (aten/src/ATen/native/cuda/Blas.cpp) and torchao's float8 training.
+"""
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gpt2
+from gpt2 import print0
+
+# ----------------------------------------------------------------------------------------------------
+# fp8 e4m3 and tile-wise quantization
+
+FP8 = torch.float8_e4m3fn  # 1 sign, 4 exponent, 3 mantissa bits; no inf; largest finite 448
+FP8_MAX = torch.finfo(FP8).max  # 448.0
+TILE = 128  # DeepSeek-V3's tile: 1x128 for activations/gradients, 128x128 for weights
+AMAX_FLOOR = 1e-12  # an all-zero tile gets a tiny scale instead of 0/0
+
+
+def _to_fp8(x, scale):
+    """x / scale is at most 448 in exact arithmetic but may round to 448.0001; casts of out-of-range values
+    saturate on some torch builds and give NaN on others (e4m3fn has no inf), so clamp first."""
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def _pad_to_tile(x, dims):
+    """Zero-pad the given dims of a 2-D tensor up to a multiple of 128 (zeros add nothing to a matmul)."""
+    pad = [0, 0, 0, 0]  # F.pad order: (last dim left, right, first dim left, right)
+    for d in dims:
+        pad[3 - 2 * d] = -x.size(d) % TILE
+    return F.pad(x, pad) if any(pad) else x
+
+
+def quantize_1x128(x):
+    """x (M, K) -> x_fp8 (M, Kp) e4m3 and scales (M, Kp/128) fp32, Kp = K rounded up to 128 (zero padded).
+    One scale per row per 128 columns: an outlier spoils only its own tile (section 3.3)."""
+    M, _ = x.shape
+    tiles = _pad_to_tile(x.float(), dims=[1]).view(M, -1, TILE)
+    scales = tiles.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
+    return _to_fp8(tiles, scales).view(M, -1), scales.squeeze(-1)
+
+
+def quantize_128x128(w):
+    """w (N, K) -> w_fp8 (Np, Kp) e4m3 and scales (Np/128, Kp/128) fp32, both dims zero padded to 128.
+    Square blocks make W and W^T share one quantization: the backward pass reuses it transposed."""
+    blocks = _pad_to_tile(w.float(), dims=[0, 1])
+    Np, Kp = blocks.shape
+    blocks = blocks.view(Np // TILE, TILE, Kp // TILE, TILE)
+    scales = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
+    return _to_fp8(blocks, scales).view(Np, Kp), scales[:, 0, :, 0]
+
+
+def quantize_tensorwise(x):
+    """The coarse baseline: one scale for the whole tensor (returned as 1x128 scales, all equal, so that
+    fp8_matmul takes it unchanged). Used by the tests and the benchmark to show what tiles buy."""
+    xp = _pad_to_tile(x.float(), dims=[1])
+    scale = xp.abs().amax().clamp(min=AMAX_FLOOR) / FP8_MAX
+    return _to_fp8(xp, scale), scale.expand(xp.size(0), xp.size(1) // TILE).contiguous()
+
+
+def dequantize_1x128(x_fp8, scales, shape=None):
+    M, Kp = x_fp8.shape
+    x = (x_fp8.float().view(M, Kp // TILE, TILE) * scales[..., None]).view(M, Kp)
+    return x if shape is None else x[: shape[0], : shape[1]]
+
+
+def dequantize_128x128(w_fp8, scales, shape=None):
+    Np, Kp = w_fp8.shape
+    w = (w_fp8.float().view(Np // TILE, TILE, Kp // TILE, TILE) * scales[:, None, :, None]).view(Np, Kp)
+    return w if shape is None else w[: shape[0], : shape[1]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The fp8 GEMM: K in 128-wide chunks, each partial product promoted to fp32 with its two scales
+
+
+def _row_scales(b_scales, N):
+    """b's scales as one (N, K/128) row per output column: 1x128 scales already are; 128x128 block
+    scales are repeated over the 128 rows of their block."""
+    if b_scales.size(0) == N:
+        return b_scales
+    return b_scales.repeat_interleave(TILE, dim=0)[:N]
+
+
+def fp8_matmul(a_fp8, a_scales, b_fp8, b_scales, out_dtype=torch.float32):
+    """a @ b^T for a (M, K) in 1x128 tiles and b (N, K) in 1x128 tiles (scales (N, K/128)) or 128x128
+    blocks (scales (ceil(N/128), K/128)); K must be padded to 128 (the quantize_* functions do it)."""
+    (M, K), N = a_fp8.shape, b_fp8.size(0)
+    if a_fp8.dtype != FP8 or b_fp8.dtype != FP8 or b_fp8.size(1) != K or K % TILE:
+        raise ValueError(f"fp8_matmul wants e4m3 a (M,K), b (N,K) with K a multiple of {TILE}; "
+                         f"got {a_fp8.dtype} {tuple(a_fp8.shape)} and {b_fp8.dtype} {tuple(b_fp8.shape)}")
+    if a_scales.shape != (M, K // TILE) or b_scales.shape not in ((N, K // TILE), (math.ceil(N / TILE), K // TILE)):
+        raise ValueError(f"scales {tuple(a_scales.shape)} / {tuple(b_scales.shape)} do not fit a {tuple(a_fp8.shape)} "
+                         f"and b {tuple(b_fp8.shape)} in 1x128 / 128x128 tiles")
+    if a_fp8.is_cuda:
+        return _fp8_matmul_cuda(a_fp8, a_scales, b_fp8, b_scales, out_dtype)
+    return _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales).to(out_dtype)
+
+
+def _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales):
+    """What the hardware does, in fp32 on any device: e4m3 values are exact in fp32 and so are their
+    pairwise products (8 significant bits), so each chunk's partial sum is the tensor core's result up to
+    fp32 summation order; the scaling and the accumulation across chunks are the fp32 'promotion'."""
+    M, K = a_fp8.shape
+    b_rows = _row_scales(b_scales, b_fp8.size(0))
+    acc = torch.zeros(M, b_fp8.size(0), dtype=torch.float32, device=a_fp8.device)
+    for k in range(K // TILE):
+        cols = slice(k * TILE, (k + 1) * TILE)
+        partial = a_fp8[:, cols].float() @ b_fp8[:, cols].float().t()  # the unscaled fp8 chunk product
+        acc += partial * a_scales[:, k, None] * b_rows[None, :, k]
+    return acc
+
+
+_blockwise_ok = None  # None: not tried yet on this process; False: this torch/cuBLAS/GPU lacks it
+
+
+@torch.compiler.disable  # a try/except around a kernel choice is eager-mode code
+def _fp8_matmul_cuda(a_fp8, a_scales, b_fp8, b_scales, out_dtype):
+    """torch._scaled_mm computes (a * scale_a) @ (mat2 * scale_b) with a row-major, mat2 column-major.
+    Block scales (torch >= 2.9, cuBLAS >= 12.9, sm_90): scale_a (M, K/128) outer-dim-major (column-major),
+    128x128 scale_b passed as the transpose of a contiguous (N/128, K/128), 1x128 scale_b as a contiguous
+    (K/128, N). use_fast_accum=False keeps cuBLAS's fp32 promotion (section 3.3 'accumulation precision')."""
+    global _blockwise_ok
+    M, K = a_fp8.shape
+    N = b_fp8.size(0)
+    b_fp8 = b_fp8.contiguous()  # so that mat2 = b^T is column-major (dgrad hands in W^T, a view)
+    if _blockwise_ok is not False:
+        per_row = b_scales.size(0) == N
+        scale_b = b_scales.t().contiguous() if per_row else b_scales.contiguous().t()
+        try:
+            out = torch._scaled_mm(a_fp8, b_fp8.t(), scale_a=a_scales.t().contiguous().t(), scale_b=scale_b,
+                                   out_dtype=out_dtype, use_fast_accum=False)
+            _blockwise_ok = True
+            return out
+        except (RuntimeError, NotImplementedError, ValueError) as e:
+            if _blockwise_ok is None:  # never worked here: say so once, then always take the fallback
+                print0(f"fp8: block-scaled _scaled_mm unavailable ({str(e).splitlines()[0][:120]}); "
+                       f"using one row-wise _scaled_mm per 128-wide K chunk")
+                _blockwise_ok = False
+    # fallback: row-wise scales (scale_a (M,1), scale_b (1,N)) are exact within one K chunk; the CUTLASS
+    # row-wise kernel returns bf16 partials, which we promote and sum in fp32 ourselves
+    b_rows = _row_scales(b_scales, N)
+    acc = torch.zeros(M, N, dtype=torch.float32, device=a_fp8.device)
+    for k in range(K // TILE):
+        cols = slice(k * TILE, (k + 1) * TILE)
+        acc += torch._scaled_mm(a_fp8[:, cols], b_fp8[:, cols].t(), scale_a=a_scales[:, k, None].contiguous(),
+                                scale_b=b_rows[None, :, k].contiguous(), out_dtype=torch.bfloat16).float()
+    return acc.to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fp8Linear: forward, dgrad and wgrad all in fp8 tiles; fp32 master weights
+
+
+class Fp8LinearFn(torch.autograd.Function):
+    """y = x @ W^T + b with x in 1x128 tiles and W in 128x128 blocks. Saves the fp8 x and W (1 byte per
+    element instead of 2 or 4). The bias and its gradient stay in high precision."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        N, K = weight.shape
+        with torch.autocast(dev, enabled=False):  # the promotion must stay fp32, whatever autocast says
+            x2 = x.reshape(-1, K)
+            x_fp8, x_scales = quantize_1x128(x2)
+            w_fp8, w_scales = quantize_128x128(weight)
+            y = fp8_matmul(x_fp8, x_scales, w_fp8, w_scales, out_dtype)[:, :N]
+            if bias is not None:
+                y = y + bias.to(out_dtype)
+        ctx.save_for_backward(x_fp8, x_scales, w_fp8, w_scales)
+        ctx.shapes, ctx.dtypes, ctx.has_bias = (x.shape, x2.shape, weight.shape), (x.dtype, weight.dtype), bias is not None
+        return y.reshape(*x.shape[:-1], N)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_fp8, x_scales, w_fp8, w_scales = ctx.saved_tensors
+        x_shape, x2_shape, (N, K) = ctx.shapes
+        with torch.autocast(dy.device.type, enabled=False):
+            dy2 = dy.reshape(-1, N)
+            # dgrad contracts over N: dy in 1x128 tiles along N, W^T = the forward's blocks transposed
+            dy_fp8, dy_scales = quantize_1x128(dy2)
+            dx = fp8_matmul(dy_fp8, dy_scales, w_fp8.t(), w_scales.t())[:, :K]
+            # wgrad contracts over the tokens: both operands are re-cut into 1x128 tiles along the token
+            # dim; x comes back from its saved fp8 copy (dequantize, transpose, requantize: section 3.5.2)
+            x_hp = dequantize_1x128(x_fp8, x_scales, x2_shape)
+            xt_fp8, xt_scales = quantize_1x128(x_hp.t())
+            dyt_fp8, dyt_scales = quantize_1x128(dy2.t())
+            dw = fp8_matmul(dyt_fp8, dyt_scales, xt_fp8, xt_scales)
+            db = dy2.float().sum(0) if ctx.has_bias else None
+        x_dtype, w_dtype = ctx.dtypes
+        return dx.view(x_shape).to(x_dtype), dw.to(w_dtype), None if db is None else db.to(w_dtype)
+
+
+class Fp8Linear(nn.Linear):
+    """A drop-in nn.Linear (same parameters, same state_dict) whose matmuls run in fp8 tiles."""
+
+    def forward(self, x):
+        return Fp8LinearFn.apply(x, self.weight, self.bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias  # share the fp32 master parameters, no re-init
+        return new
+
+
+def convert_to_fp8(model: gpt2.GPT):
+    """Swap the four Linear layers of every block for Fp8Linear; embeddings, LayerNorms, attention's
+    softmax and the (tied) head stay in high precision, as in DeepSeek-V3 section 3.3."""
+    for block in model.h:
+        for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
+            setattr(parent, name, Fp8Linear.from_linear(getattr(parent, name)))
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data parallel: a hand-written gradient all-reduce
+
+
+def all_reduce_grads(params, world, comm: gpt2.CommMeter):
+    """Sum every rank's gradients in one flat fp32 bucket (one collective instead of one per tensor),
+    divide by the world size: each rank now holds the gradient of the global batch mean."""
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    comm.all_reduce(flat.numel() * flat.element_size(), world)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def global_mean(t, world, comm: gpt2.CommMeter):
+    dist.all_reduce(t)
+    comm.all_reduce(t.numel() * t.element_size(), world)
+    return t / world
+
+
+# ----------------------------------------------------------------------------------------------------
+# The fp8-vs-baseline comparison
+
+
+def compare_with_baseline(args, records, mode):
+    """Keep this run's curve as OUT/metrics_fp8_<mode>.jsonl; once both modes exist in OUT, print the
+    final-loss gap and draw OUT/fp8_vs_baseline.png."""
+    mine = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    with open(os.path.join(args.out, f"metrics_fp8_{mode}.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    other_path = os.path.join(args.out, f"metrics_fp8_{'off' if mode == 'on' else 'on'}.jsonl")
+    if not os.path.exists(other_path):
+        print0(f"run the same command with --fp8 {'off' if mode == 'on' else 'on'} --out {args.out} to compare")
+        return None
+    with open(other_path) as f:
+        other = [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
+    on, off = (mine, other) if mode == "on" else (other, mine)
+    if not on or not off or on[-1][0] != off[-1][0]:
+        print0(f"{other_path} is a run of a different length: not compared")
+        return None
+    gap = (on[-1][1] - off[-1][1]) / off[-1][1]
+    print0(f"final loss: fp8 {on[-1][1]:.4f} | baseline {off[-1][1]:.4f} | gap {100 * gap:+.2f}%")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(6, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    ax.plot(*zip(*off), label="baseline (--fp8 off)")
+    ax.plot(*zip(*on), label="fp8 tiles (--fp8 on)")
+    ax.set_ylabel("train loss (nats/token)")
+    ax.legend()
+    ax2.plot([s for s, _ in on], [100 * (a - b) / b for (_, a), (_, b) in zip(on, off)])
+    ax2.axhline(0, color="gray", lw=0.5)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("fp8 - baseline (%)")
+    for a in (ax, ax2):
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "fp8_vs_baseline.png"), dpi=100)
+    plt.close(fig)
+    return gap
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+
+
+def train(argv=None):
+    p = gpt2.make_parser("GPT-2 with tile-scaled fp8 Linear layers (DeepSeek-V3 section 3.3), data parallel.")
+    p.add_argument("--fp8", default="on", choices=["on", "off"],
+                   help="on: the blocks' Linear layers in fp8 tiles; off: the identical bf16 (CUDA) / fp32 (CPU) baseline")
+    args = p.parse_args(argv)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    # validate everything before the first collective: a bad flag fails every rank, none hangs
+    for flag in ("steps", "batch_size", "seq_len", "grad_accum"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    cfg = gpt2.model_config(args)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.fp8 == "on" and use_cuda:
+        cap = torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", 0)))
+        if cap < (8, 9):
+            raise RuntimeError(f"--fp8 on needs fp8 tensor cores (sm_89 or newer), this GPU is sm_{cap[0]}{cap[1]}; "
+                               f"use --fp8 off or --device cpu (emulation)")
+    train_loader, val_loader = gpt2.make_loaders(args, rank, world, cfg.vocab_size)
+
+    ctx = gpt2.setup(args)
+    model = gpt2.build_model(args)
+    if args.fp8 == "on":
+        convert_to_fp8(model)
+    model.to(ctx.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
+    fwd = torch.compile(model) if args.compile else model
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), tokens_per_step)
+    profiler, comm = gpt2.Profiler(args, ctx), gpt2.CommMeter()
+    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {world} rank(s) | "
+           f"device {ctx.device} {ctx.dtype} | fp8 {args.fp8}"
+           + (" (CPU emulation)" if args.fp8 == "on" and ctx.device.type == "cpu" else ""))
+
+    def val_loss_fn(x, y):
+        with ctx.autocast():
+            return fwd(x, y)[1]
+
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = gpt2.lr_at(step, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss_sum = torch.zeros((), device=ctx.device)
+        for _ in range(args.grad_accum):
+            x, y = train_loader.next_batch()
+            with ctx.autocast():
+                _, loss = fwd(x.to(ctx.device), y.to(ctx.device))
+            loss = loss / args.grad_accum
+            loss_sum += loss.detach()
+            loss.backward()
+        if world > 1:
+            all_reduce_grads(params, world, comm)
+            loss_sum = global_mean(loss_sum, world, comm)
+        if args.grad_clip > 0:  # the grads are now identical on every rank: the local norm is the global one
+            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_val = loss_sum.item()
+        gpt2.check_finite(loss_val, step)
+        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb())
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            model.eval()
+            metrics.log_val(step, gpt2.evaluate(val_loss_fn, val_loader, args.eval_steps, ctx.device))
+            model.train()
+    metrics.plot()
+    return compare_with_baseline(args, metrics.records, args.fp8) if ctx.master else None
+
+
+if __name__ == "__main__":
+    try:
+        train()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

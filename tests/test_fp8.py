@@ -1,0 +1,217 @@
+"""fp8.py: per-tile quantization error bounds, tiles vs one scale under outliers, the fp8 GEMM against fp64,
+Fp8Linear's gradients against an fp32 Linear, no inf/nan at extreme magnitudes, and 2-rank data-parallel
+training: --fp8 off equals gpt2.py's single process, --fp8 on ends within 2% of it."""
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fp8
+import gpt2
+from harness import max_rel_diff, read_metrics, run_distributed, train_losses
+
+E4M3_REL = 2.0 ** -4  # 3 mantissa bits: round-to-nearest error of a normal value is at most half an ulp
+E4M3_SUB = 2.0 ** -10  # below 2^-6 the subnormal step is 2^-9: absolute error at most 2^-10 (in units of the scale)
+
+
+def rel_err(a, ref):
+    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check_tile_bounds(x_tiles, deq_tiles, scales):
+    """Every element within the e4m3 rounding bound of its own tile's scale; each tile's amax exact."""
+    err = (deq_tiles - x_tiles).abs()
+    bound = torch.maximum(x_tiles.abs() * E4M3_REL, scales * E4M3_SUB) * (1 + 1e-5)
+    assert (err <= bound).all(), f"worst error / bound = {(err / bound).max().item():.3f}"
+    amax, deq_amax = x_tiles.abs().amax(dim=(-1,), keepdim=True), deq_tiles.abs().amax(dim=(-1,), keepdim=True)
+    torch.testing.assert_close(deq_amax, amax, rtol=1e-6, atol=0)
+
+
+def test_quantize_1x128_and_128x128_error_bounds_per_tile():
+    torch.manual_seed(0)
+    # rows 12 orders of magnitude apart, a K that is not a multiple of 128, an all-zero tile
+    x = torch.randn(48, 300) * torch.logspace(-6, 6, 48)[:, None]
+    x[5, 128:256] = 0
+    q, s = fp8.quantize_1x128(x)
+    assert q.dtype == fp8.FP8 and q.shape == (48, 384) and s.shape == (48, 3)
+    tiles = F.pad(x, (0, 84)).view(48, 3, 128)
+    torch.testing.assert_close(s, tiles.abs().amax(-1).clamp(min=fp8.AMAX_FLOOR) / 448.0, rtol=0, atol=0)
+    deq = fp8.dequantize_1x128(q, s).view(48, 3, 128)
+    check_tile_bounds(tiles, deq, s[..., None])
+    assert (q[:, 300:].float() == 0).all() and (deq[5, 1] == 0).all()
+    assert fp8.dequantize_1x128(q, s, x.shape).shape == x.shape
+
+    # 128x128 blocks of a (200, 300) weight whose blocks differ by 10^4 in scale
+    w = torch.randn(200, 300)
+    w[:128, :128] *= 1e4
+    w[128:, 256:] *= 1e-4
+    q, s = fp8.quantize_128x128(w)
+    assert q.shape == (256, 384) and s.shape == (2, 3)
+    blocks = F.pad(w, (0, 84, 0, 56)).view(2, 128, 3, 128).permute(0, 2, 1, 3).reshape(2, 3, 128 * 128)
+    deq = fp8.dequantize_128x128(q, s).view(2, 128, 3, 128).permute(0, 2, 1, 3).reshape(2, 3, 128 * 128)
+    check_tile_bounds(blocks, deq, s[..., None])
+    # with one scale for the tensor the 1e-4 block falls below e4m3's smallest subnormal: all zeros
+    qt, st = fp8.quantize_tensorwise(w)
+    assert (qt[128:200, 256:300].float() == 0).all() and (q[128:200, 256:300].float() != 0).float().mean() > 0.9
+
+
+def test_outlier_tiles_beat_tensorwise():
+    """An outlier only spoils the tiles it sits in. e4m3's exponent absorbs outliers up to ~10^4x (values
+    stay normal, relative error stays 2^-4); at 10^5x one tensor-wide scale pushes everything else into the
+    subnormals, while 1x128 tiles keep every other tile at full precision."""
+    torch.manual_seed(0)
+    T, C, N = 512, 256, 256
+    # outlier channel in the wgrad GEMM dW = dy^T @ x: x^T is tiled along the tokens, channel 7 is one row
+    x, dy = torch.randn(T, C), torch.randn(T, N)
+    x[:, 7] *= 1e5
+    ref = dy.double().t() @ x.double()
+    rest = torch.arange(C) != 7
+
+    def column_errors(quantize):
+        a, sa = quantize(dy.t())
+        b, sb = quantize(x.t())
+        y = fp8.fp8_matmul(a, sa, b, sb).double()
+        return (y - ref).norm(dim=0) / ref.norm(dim=0), rel_err(y[:, rest], ref[:, rest])
+
+    tile_cols, tile_rest = column_errors(fp8.quantize_1x128)
+    tens_cols, tens_rest = column_errors(fp8.quantize_tensorwise)
+    assert tile_cols.max() < 0.05, tile_cols.max()  # every column, the outlier's included
+    assert tens_rest > 8 * tile_rest, (tens_rest, tile_rest)
+
+    # outlier token (a "massive activation") in the forward GEMM: only its own row's tiles are affected
+    x = torch.randn(T, C)
+    x[3] *= 1e5
+    w = torch.randn(N, C) * 0.02
+    ref = x.double() @ w.double().t()
+    y_tile = fp8.fp8_matmul(*fp8.quantize_1x128(x), *fp8.quantize_128x128(w))
+    y_tens = fp8.fp8_matmul(*fp8.quantize_tensorwise(x), *fp8.quantize_tensorwise(w))
+    rows = torch.arange(T) != 3
+    e_tile, e_tens = rel_err(y_tile[rows], ref[rows]), rel_err(y_tens[rows], ref[rows])
+    assert e_tile < 0.05 and e_tens > 8 * e_tile, (e_tile, e_tens)
+
+
+@pytest.mark.parametrize("M,K,N", [(256, 512, 384), (100, 200, 72)])
+def test_fp8_matmul_vs_fp64(M, K, N):
+    torch.manual_seed(0)
+    a, b = torch.randn(M, K), torch.randn(N, K)
+    ref = a.double() @ b.double().t()
+    aq, sa = fp8.quantize_1x128(a)
+    for bq, sb in (fp8.quantize_128x128(b), fp8.quantize_1x128(b)):
+        y = fp8.fp8_matmul(aq, sa, bq, sb)[:, :N]
+        assert y.dtype == torch.float32 and y.shape == (M, N)
+        assert rel_err(y, ref) < 0.05
+        # the emulation is exact but for fp32 summation: equal to the fp64 product of the dequantized operands
+        exact = fp8.dequantize_1x128(aq, sa).double() @ (fp8.dequantize_128x128(bq, sb) if sb.size(0) != bq.size(0)
+                                                         else fp8.dequantize_1x128(bq, sb)).double().t()
+        assert rel_err(y, exact[:, :N]) < 1e-6
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8.fp8_matmul(aq[:, :100], sa, bq, sb)
+    with pytest.raises(ValueError, match="scales"):
+        fp8.fp8_matmul(aq, sa[:, :1], bq, sb)
+
+
+def test_fp8_linear_gradients_vs_fp32_linear():
+    """Bounds: output and dgrad < 5% (one e4m3 rounding per operand), wgrad < 6% (x is quantized twice:
+    1x128 along channels in forward, re-cut along tokens for wgrad), bias grad exact (high precision)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(200, 72)
+    f8 = fp8.Fp8Linear.from_linear(lin)
+    assert f8.weight is lin.weight and f8.bias is lin.bias
+    x = torch.randn(3, 50, 200)
+    g = torch.randn(3, 50, 72)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1 = lin(x1)
+    y1.backward(g)
+    ref = (y1.detach(), x1.grad, lin.weight.grad.clone(), lin.bias.grad.clone())
+    lin.weight.grad = lin.bias.grad = None
+    y2 = f8(x2)
+    y2.backward(g)
+    errs = [rel_err(a, b) for a, b in zip((y2.detach(), x2.grad, f8.weight.grad, f8.bias.grad), ref)]
+    assert errs[0] < 0.05 and errs[1] < 0.05 and errs[2] < 0.06 and errs[3] < 1e-6, errs
+    assert errs[0] > 1e-3  # it really went through fp8
+    # under bf16 autocast the output is bf16, like an autocast Linear; grads keep the parameters' dtypes
+    x3 = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y3 = f8(x3)
+    y3.float().backward(g)
+    assert y3.dtype == torch.bfloat16 and x3.grad.dtype == torch.float32 and f8.weight.grad.dtype == torch.float32
+
+
+def test_extreme_magnitudes_stay_finite():
+    """Per-tile scales absorb any magnitude fp32 holds: far above e4m3's 448 and far below its 2^-9."""
+    torch.manual_seed(0)
+    lin = fp8.Fp8Linear(256, 128)
+    for scale_x, scale_g in ((1e30, 1e-20), (1e-30, 1e25), (1e4, 1e4)):
+        x = (torch.randn(64, 256) * scale_x).requires_grad_()
+        y = lin(x)
+        ref = x.detach().double() @ lin.weight.detach().double().t() + lin.bias.detach().double()
+        y.backward(torch.randn(64, 128) * scale_g)
+        for t in (y, x.grad, lin.weight.grad, lin.bias.grad):
+            assert torch.isfinite(t).all()
+        assert rel_err(y.detach(), ref) < 0.05
+        lin.zero_grad()
+    x = torch.zeros(8, 256, requires_grad=True)  # all-zero tiles: 0/tiny scale, not 0/0
+    lin(x).sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(lin.weight.grad).all()
+
+
+def test_convert_to_fp8_swaps_only_the_block_linears():
+    args = gpt2.make_parser("t").parse_args(["--n-layer", "2", "--n-embd", "64", "--seq-len", "16", "--device", "cpu"])
+    ref, model = gpt2.build_model(args), fp8.convert_to_fp8(gpt2.build_model(args))
+    assert sum(isinstance(m, fp8.Fp8Linear) for m in model.modules()) == 8
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.wte.weight
+    assert list(model.state_dict()) == list(ref.state_dict())
+    idx = torch.randint(0, 50257, (2, 16))
+    l_ref, l_fp8 = ref(idx, idx)[1].item(), model(idx, idx)[1].item()
+    assert 0 < abs(l_fp8 - l_ref) / l_ref < 0.01
+
+
+def test_bad_input_fails_before_any_collective(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # reaching init_process_group would wait for a rank that never comes
+    base = ["--device", "cpu", "--out", str(tmp_path), "--data", str(tmp_path)]
+    with pytest.raises(ValueError, match="--grad-accum"):
+        fp8.train(base + ["--grad-accum", "0"])
+    with pytest.raises(ValueError, match="divisible"):
+        fp8.train(base + ["--n-embd", "66"])
+    with pytest.raises(FileNotFoundError, match="train"):
+        fp8.train(base)
+
+
+TRAIN = ["--device", "cpu", "--dtype", "float32", "--n-layer", "2", "--n-embd", "64", "--seq-len", "16",
+         "--steps", "16", "--warmup", "4", "--lr", "2e-3", "--eval-every", "0"]
+
+
+def _train_off_then_on(rank, world, data, out):
+    """Both modes in one 2-rank process group (one launch); rank 0 returns the final-loss gap."""
+    for mode in ("off", "on"):
+        gap = fp8.train(TRAIN + ["--batch-size", "4", "--data", data, "--out", out, "--fp8", mode])
+    return gap
+
+
+def test_two_rank_training_fp8_vs_baseline_vs_gpt2(shakespeare, tmp_path):
+    out = str(tmp_path / "dp")
+    gap = run_distributed(_train_off_then_on, 2, shakespeare, out, timeout=300)[0]
+    gpt2.train(TRAIN + ["--batch-size", "8", "--data", shakespeare, "--out", str(tmp_path / "single")])
+
+    single = train_losses(str(tmp_path / "single"))
+    off = [r["loss"] for r in read_metrics_file(os.path.join(out, "metrics_fp8_off.jsonl")) if "loss" in r]
+    on = [r["loss"] for r in read_metrics_file(os.path.join(out, "metrics_fp8_on.jsonl")) if "loss" in r]
+    assert len(single) == len(off) == len(on) == 16
+    # the hand-written all-reduce is exact data parallelism: 2 ranks x 4 rows == 1 process x 8 rows
+    assert max_rel_diff(off, single) < 1e-5
+    # fp8 changes every step a little and the end result by under 2%
+    assert 1e-6 < max_rel_diff(on, off) and abs(gap) < 0.02 and on[-1] < on[0] - 1.0
+    assert gap == pytest.approx((on[-1] - off[-1]) / off[-1], rel=1e-9)
+    assert os.path.getsize(os.path.join(out, "fp8_vs_baseline.png")) > 1000
+    # bytes: one all-reduce of every fp32 gradient plus the 4-byte loss; a ring sends 2(n-1)/n of them
+    n_params = gpt2.build_model(gpt2.make_parser("t").parse_args(TRAIN)).num_params(non_embedding=False)
+    comm = [r["comm_mb"] for r in read_metrics(out) if "comm_mb" in r]
+    assert comm == pytest.approx([(4 * n_params + 4) / 1e6] * 16, rel=1e-9)
+
+
+def read_metrics_file(path):
+    import json
+    with open(path) as f:
+        return [json.loads(line) for line in f]
