@@ -72,7 +72,7 @@ def newton_schulz(G, steps=5, dtype=None, eps=1e-7):
     fp32 elsewhere unless `dtype` says otherwise."""
     a, b, c = NS_COEFFICIENTS
     dtype = dtype or (torch.bfloat16 if G.is_cuda else torch.float32)
-    X = G.to(dtype)
+    X = G.to(dtype).reshape(-1, *G.shape[-2:])  # a batch of matrices, (k, rows, cols)
     tall = G.size(-2) > G.size(-1)
     if tall:  # work with the wide orientation so the Gram matrix X X^T is the small (min x min) one
         X = X.mT
@@ -80,11 +80,11 @@ def newton_schulz(G, steps=5, dtype=None, eps=1e-7):
     X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(steps):
         A = X @ X.mT
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X  # = (a + b XX^T + c (XX^T)^2) X: odd polynomial in the singular values
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2, one fused kernel
+        X = torch.baddbmm(X, B, X, beta=a)  # (a + b XX^T + c (XX^T)^2) X: odd polynomial in the singular values
     if tall:
         X = X.mT
-    return X.to(G.dtype)
+    return X.reshape(G.shape).to(G.dtype)
 
 
 def update_scale(rows, cols, mode):

@@ -1,0 +1,220 @@
+"""muon.py: Newton-Schulz against torch.optim.Muon's, one Muon step against torch.optim.Muon, distributed
+Muon (2 and 4 ranks) against one rank, and the CLI: torchrun 2 ranks == 1 process, --optimizer adamw ==
+gpt2.py train, bytes sent == theory, bad flags fail before any collective."""
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
+
+import gpt2
+import muon
+from harness import max_rel_diff, read_metrics, run_cli, run_distributed, train_losses
+
+TINY = ["--model", "tiny", "--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--steps", "12", "--warmup", "3",
+        "--eval-every", "0", "--device", "cpu", "--dtype", "float32"]
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Newton-Schulz
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (96, 96)])
+def test_newton_schulz_matches_torch_and_lands_in_band(shape):
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    ref = torch_newton_schulz(G, muon.NS_COEFFICIENTS, 5, 1e-7).float()  # torch runs it in bf16
+    assert rel(muon.newton_schulz(G, dtype=torch.bfloat16), ref) == 0.0  # same arithmetic, bit for bit
+    ours = muon.newton_schulz(G)  # fp32 on CPU: differs from the bf16 result only by bf16 rounding
+    assert rel(ours, ref) < 0.03
+    assert ours.dtype == torch.float32 and ours.shape == G.shape
+    sv = torch.linalg.svdvals(ours)
+    if shape[0] != shape[1]:  # a rectangular Gaussian is well conditioned: all singular values in the band
+        assert 0.6 < sv.min() and sv.max() < 1.2, (sv.min(), sv.max())
+    else:  # a square one has tiny singular values: the iteration raises most of them, caps all
+        assert sv.max() < 1.2 and (sv > 0.6).float().mean() > 0.9
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    polar = U @ Vh  # the exact orthogonalisation: NS points the same way, up to the band
+    assert (ours * polar).sum() / (ours.norm() * polar.norm()) > 0.97
+    # transposing commutes with it, and a batch equals its matrices one by one
+    assert torch.allclose(muon.newton_schulz(G.T), ours.T, atol=1e-5)
+    batch = torch.stack([G[:32, :32], G[32:64, :32]])
+    assert torch.allclose(muon.newton_schulz(batch)[1], muon.newton_schulz(G[32:64, :32]), atol=1e-6)
+
+
+def test_newton_schulz_grows_small_singular_values():
+    g = torch.Generator().manual_seed(1)
+    U, _ = torch.linalg.qr(torch.randn(64, 64, generator=g))
+    V, _ = torch.linalg.qr(torch.randn(64, 64, generator=g))
+    G = U @ torch.diag(torch.logspace(-3, 0, 64)) @ V.T  # condition number 1000
+    sv = torch.linalg.svdvals(muon.newton_schulz(G))
+    assert sv.max() < 1.25 and sv.min() > 0.1  # s = 1e-3 alone would stay ~1e-3 under plain scaling
+    assert (sv > 0.6).sum() >= 50
+
+
+# ----------------------------------------------------------------------------------------------------
+# One step against torch.optim.Muon
+
+
+@pytest.mark.parametrize("scale,nesterov", [("original", True), ("match_rms_adamw", True), ("original", False)])
+def test_muon_steps_equal_torch_muon(scale, nesterov):
+    g = torch.Generator().manual_seed(2)
+    shapes = [(48, 16), (16, 48), (32, 32)]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    lr, wd = 0.05, 0.1
+    opt = muon.Muon(ours, lr=lr, weight_decay=wd, momentum=0.9, nesterov=nesterov, scale=scale, ns_dtype=torch.bfloat16)
+    ref = torch.optim.Muon(theirs, lr=lr, weight_decay=wd, momentum=0.9, nesterov=nesterov, adjust_lr_fn=scale)
+    for step in range(3):  # three steps, so the momentum buffer matters
+        grads = [torch.randn(s, generator=g) for s in shapes]
+        before = [p.detach().clone() for p in ours]
+        for p, q, gr in zip(ours, theirs, grads):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        opt.reduce_scatter_grads()
+        opt.step()
+        ref.step()
+        for i, (p, q, b) in enumerate(zip(ours, theirs, before)):
+            assert rel(p.detach() - b, q.detach() - b) < 1e-5, (step, i)  # the update itself, not just p
+            assert torch.allclose(opt.momentum_buf[i], ref.state[q]["momentum_buffer"], atol=1e-6)
+            assert (p.detach() - b).norm() > 0.01  # the step is not trivially small
+
+
+# ----------------------------------------------------------------------------------------------------
+# Distributed Muon == one rank
+
+
+def block_shapes(E=32, layers=2):
+    return [((3 * E, E), 3), ((E, E), 1), ((4 * E, E), 1), ((E, 4 * E), 1)] * layers
+
+
+def grads_for(step, rank, shapes):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(s, generator=g) for s, _ in shapes]
+
+
+def make_params(shapes):
+    g = torch.Generator().manual_seed(3)
+    return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.05) for s, _ in shapes]
+
+
+def distributed_muon_run(rank, world, steps=3):
+    shapes = block_shapes()
+    params = make_params(shapes)
+    opt = muon.Muon(params, [k for _, k in shapes], lr=0.02, weight_decay=0.1, rank=rank, world=world)
+    norms = []
+    for step in range(steps):
+        for p, gr in zip(params, grads_for(step, rank, shapes)):
+            p.grad = gr
+        opt.reduce_scatter_grads()
+        sq = opt.grad_sq_norm()
+        torch.distributed.all_reduce(sq)
+        norms.append(sq.sqrt().item())
+        opt.step(clip_coef=0.5)
+    return [p.detach().numpy() for p in params], opt.mine, sorted(opt.momentum_buf), opt.comm.take_mb(), opt.slab, norms
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_muon_equals_one_rank(world):
+    out = run_distributed(distributed_muon_run, world)
+    shapes = block_shapes()
+    params = make_params(shapes)
+    ref = muon.Muon(params, [k for _, k in shapes], lr=0.02, weight_decay=0.1)
+    norms = []
+    for step in range(3):  # one rank, on the mean of the ranks' gradients
+        all_grads = [grads_for(step, r, shapes) for r in range(world)]
+        for i, p in enumerate(params):
+            p.grad = sum(gs[i] for gs in all_grads) / world
+        ref.reduce_scatter_grads()
+        norms.append(ref.grad_sq_norm().sqrt().item())
+        ref.step(clip_coef=0.5)
+    for r, (ps, mine, momentum_keys, comm_mb, slab, rank_norms) in enumerate(out):
+        assert rank_norms == pytest.approx(norms, rel=1e-5)  # the sharded grad norm is the global one
+        for p, q in zip(ps, params):
+            assert torch.allclose(torch.from_numpy(p), q.detach(), atol=1e-6, rtol=0), r  # every rank holds every updated matrix
+        assert mine == momentum_keys  # momentum lives only with the owner
+        # bytes: per step one reduce-scatter and one all-gather of world slabs of fp32
+        assert comm_mb == pytest.approx(3 * 2 * (world - 1) / world * world * slab * 4 / 1e6)
+    owned = sorted(i for _, mine, *_ in out for i in mine)
+    assert owned == list(range(len(shapes)))  # each matrix has exactly one owner
+    load = [sum(muon.ns_flops(shapes[i][0], shapes[i][1]) for i in mine) for _, mine, *_ in out]
+    assert max(load) <= 4 / 3 * sum(load) / world + max(muon.ns_flops(s, k) for s, k in shapes)
+
+
+def test_assign_owners_balances_work():
+    assert muon.assign_owners([6, 18, 14, 18], 2) == [1, 0, 0, 1]  # largest first: 18 | 18, 14 -> 0, 6 -> 1
+    costs = [muon.ns_flops(s, k) for s, k in block_shapes(64, 12)]
+    loads = [0] * 8
+    for c, r in zip(costs, muon.assign_owners(costs, 8)):
+        loads[r] += c
+    assert max(loads) / min(loads) < 1.1
+
+
+# ----------------------------------------------------------------------------------------------------
+# The training CLI
+
+
+def test_cli_two_ranks_equal_one_and_adamw_equals_gpt2(shakespeare, tmp_path):
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    with ThreadPoolExecutor(1) as pool:  # torchrun starts while this process trains the 1-rank reference
+        job = pool.submit(run_cli, ["muon.py", *TINY, "--data", shakespeare, "--batch-size", "4", "--out", two], nproc=2)
+        muon.main([*TINY, "--data", shakespeare, "--batch-size", "8", "--out", one])
+        job.result()
+    a, b = train_losses(one), train_losses(two)
+    assert len(a) == 12 and max_rel_diff(b, a) <= 1e-4
+    assert a[-1] < a[0] - 0.3  # it trains
+    w1 = torch.load(os.path.join(one, "model.pt"))["model"]
+    w2 = torch.load(os.path.join(two, "model.pt"))["model"]
+    for k in w1:
+        assert torch.allclose(w1[k], w2[k], atol=2e-5, rtol=0), k
+    # bytes per step on a rank: the AdamW all-reduce (+ the loss), the Muon reduce-scatter and all-gather
+    # (padded slabs), the clip norm's scalar
+    model = gpt2.build_model(make_args(shakespeare))
+    m, parts, rest = muon.split_params(model, "muon")
+    opt = muon.Muon(m, parts, world=2)
+    n_adamw = sum(p.numel() for p in rest) + 1
+    theory = (2 * 0.5 * n_adamw * 4 + 2 * 0.5 * 2 * opt.slab * 4 + 2 * 0.5 * 4) / 1e6
+    comm = [r["comm_mb"] for r in read_metrics(two) if "loss" in r]
+    assert comm == pytest.approx([theory] * 12, rel=1e-9)
+    assert opt.padding < 0.3 * sum(p.numel() for p in m)
+
+    # --optimizer adamw is gpt2.py's trainer, step for step; Muon trains differently (faster here)
+    adam, base = str(tmp_path / "adam"), str(tmp_path / "base")
+    muon.main([*TINY, "--data", shakespeare, "--batch-size", "8", "--optimizer", "adamw", "--out", adam])
+    gpt2.train([*TINY, "--data", shakespeare, "--batch-size", "8", "--out", base])
+    assert max_rel_diff(train_losses(adam), train_losses(base)) <= 1e-5
+    # what Muon changes: its total update to a block matrix is spread over many directions (stable rank
+    # ||D||_F^2 / ||D||_2^2 of D = W_12 - W_0 is ~30 of 64 possible), AdamW's is dominated by a few (~1-3)
+    init = model.state_dict()
+    w_adam = torch.load(os.path.join(adam, "model.pt"))["model"]
+    for k in ("h.0.attn.c_attn.weight", "h.0.mlp.c_fc.weight", "h.1.attn.c_proj.weight", "h.1.mlp.c_proj.weight"):
+        assert stable_rank(w1[k] - init[k]) > 15 and stable_rank(w_adam[k] - init[k]) < 8, k
+
+
+def stable_rank(D):
+    s = torch.linalg.svdvals(D)
+    return ((s ** 2).sum() / s[0] ** 2).item()
+
+
+def make_args(data):
+    return muon.make_parser().parse_args([*TINY, "--data", data])
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--momentum", "1.0"], ValueError), (["--ns-steps", "0"], ValueError), (["--muon-lr", "-1"], ValueError),
+    (["--n-embd", "63"], ValueError), (["--seq-len", "4096"], ValueError), (["--data", "/nonexistent"], FileNotFoundError),
+])
+def test_bad_flags_fail_before_any_collective(flags, error, random_data, tmp_path, monkeypatch):
+    def no_setup(args):
+        raise AssertionError("setup reached: the error must come before the process group starts")
+    monkeypatch.setattr(gpt2, "setup", no_setup)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: nothing may reach a collective
+    with pytest.raises(error):
+        muon.main([*TINY, "--data", random_data, "--out", str(tmp_path), *flags])
+    with pytest.raises(ValueError):
+        muon.Muon([torch.nn.Parameter(torch.zeros(3))])  # 1-D: not Muon's
+    with pytest.raises(ValueError):
+        muon.Muon([torch.nn.Parameter(torch.zeros(4, 4))], scale="adam")
