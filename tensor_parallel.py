@@ -449,6 +449,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 1))
     args.tp = validate(args, gpt2.model_config(args), world)
+    own_group = not dist.is_initialized()  # a caller (tests) may have started the process group
     ctx = gpt2.setup(args)
     grid = make_grid(ctx.world, ctx.rank, args.tp, args.sequence_parallel)
     full = gpt2.build_model(args)
@@ -523,7 +524,7 @@ def main(argv=None):
         torch.save({"config": cfg.__dict__, "model": sd}, os.path.join(args.out, "model.pt"))
     metrics.plot()
     gpt2.print0(f"saved {args.out}/model.pt (gathered, gpt2 layout) and {args.out}/loss.png")
-    if dist.is_initialized():
+    if own_group and dist.is_initialized():
         dist.destroy_process_group()
 
 

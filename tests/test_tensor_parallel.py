@@ -1,0 +1,203 @@
+"""tensor_parallel.py: every parallel layer vs the unsplit layer, our block vs DTensor's, and whole runs
+(TP=2, TP=2 + SP, TP=2 x DP=2 + SP) vs `gpt2.py train` step by step."""
+import contextlib
+import copy
+import io
+import os
+
+import pytest
+import torch
+
+import gpt2
+import tensor_parallel as tp
+from harness import max_rel_diff, read_metrics, run_distributed, train_losses
+
+CFG = gpt2.GPTConfig(block_size=16, n_layer=1, n_head=4, n_embd=32)
+TINY = ["--model", "tiny", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--steps", "12",
+        "--device", "cpu", "--dtype", "float32", "--eval-every", "0"]
+
+
+def diff(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _layers(rank, world):
+    """Each piece on rank r of 2 against the unsplit gpt2 piece, same weights, same input, same upstream grad."""
+    torch.manual_seed(0)
+    full = gpt2.GPT(CFG)
+    B, T, E, t = 2, 8, CFG.n_embd, world
+    x = torch.randn(B, T, E)
+    out = {}
+    for sp in (False, True):
+        grid = tp.make_grid(world, rank, world, sp)
+        seq = slice(rank * T // t, (rank + 1) * T // t) if sp else slice(None)
+
+        # column-parallel c_attn (q, k, v each cut): f then the local matmul
+        ref = full.h[0].attn.c_attn
+        xf = x.clone().requires_grad_()
+        y_full = ref(xf)
+        gy = torch.randn_like(y_full)
+        (y_full * gy).sum().backward()
+        col = tp.column_parallel(ref, grid, pieces=3)
+        xl = x[:, seq].clone().requires_grad_()
+        y = col(tp.enter_tp(xl, grid))
+        (y * tp.shard_rows(gy.transpose(0, 2), grid, pieces=3).transpose(0, 2)).sum().backward()
+        out[f"column_out_sp{sp}"] = diff(y, tp.shard_rows(y_full.detach().transpose(0, 2), grid, 3).transpose(0, 2))
+        out[f"column_dx_sp{sp}"] = diff(xl.grad, xf.grad[:, seq])
+        out[f"column_dw_sp{sp}"] = diff(col.weight.grad, tp.shard_rows(ref.weight.grad, grid, 3))
+        ref.zero_grad()
+
+        # row-parallel c_fc->c_proj: the local matmul then g, bias once
+        ref = full.h[0].mlp.c_proj
+        h = torch.randn(B, T, 4 * E)
+        hf = h.clone().requires_grad_()
+        y_full = ref(hf)
+        gy = torch.randn_like(y_full)
+        (y_full * gy).sum().backward()
+        row, bias = tp.row_parallel(ref, grid)
+        hl = h[..., rank * 4 * E // t:(rank + 1) * 4 * E // t].clone().requires_grad_()
+        y = tp.exit_tp(row(hl), grid) + bias
+        (y * gy[:, seq]).sum().backward()
+        if sp:  # each rank saw its tokens only: the replicated bias's grad is summed over TP
+            tp.all_reduce(bias.grad, grid)
+        out[f"row_out_sp{sp}"] = diff(y, y_full.detach()[:, seq])
+        out[f"row_dx_sp{sp}"] = diff(hl.grad, hf.grad[..., rank * 4 * E // t:(rank + 1) * 4 * E // t])
+        out[f"row_dw_sp{sp}"] = diff(row.weight.grad, tp.shard_rows(ref.weight.grad.t(), grid).t())
+        out[f"row_db_sp{sp}"] = diff(bias.grad, ref.bias.grad)
+        ref.zero_grad()
+
+        # the whole block, twice (the second block's input is the first one's output)
+        blk = tp.ParallelBlock(copy.deepcopy(full.h[0]), grid)
+        xf = x.clone().requires_grad_()
+        y_full = full.h[0](full.h[0](xf))
+        gy = torch.randn_like(y_full)
+        (y_full * gy).sum().backward()
+        xl = x[:, seq].clone().requires_grad_()
+        y = blk(blk(xl))
+        (y * gy[:, seq]).sum().backward()
+        if sp:
+            tp.sync_grads(blk, grid)
+        out[f"block_out_sp{sp}"] = diff(y, y_full.detach()[:, seq])
+        out[f"block_dx_sp{sp}"] = diff(xl.grad, xf.grad[:, seq])
+        out[f"block_dln_sp{sp}"] = diff(blk.ln_1.weight.grad, full.h[0].ln_1.weight.grad)
+        out[f"block_dfc_sp{sp}"] = diff(blk.mlp.c_fc.weight.grad, tp.shard_rows(full.h[0].mlp.c_fc.weight.grad, grid))
+        full.zero_grad()
+
+        # vocab-parallel embedding and cross-entropy, with ids on both shards and near the padding
+        idx = torch.tensor([[0, 25151, 25152, 50256, 7, 30000, 3, 50000]] * B)
+        wte = torch.nn.Parameter(tp.shard_rows(full.wte.weight.detach(), grid))
+        e = tp.vocab_parallel_embedding(idx, wte, grid)
+        hidden = torch.randn(B, T, E)
+        hl = hidden[:, seq].clone().requires_grad_()
+        logits = torch.nn.functional.linear(tp.enter_tp(full.ln_f(hl), grid), wte)
+        loss = tp.vocab_parallel_cross_entropy(logits, idx.flip(1), grid, CFG.vocab_size, tp.vocab_range(CFG, grid)[0])
+        (loss + (e * x[:, seq]).sum()).backward()
+        hf = hidden.clone().requires_grad_()
+        loss_full = gpt2.cross_entropy(full.logits(hf), idx.flip(1))
+        e_full = full.wte(idx)
+        (loss_full + (e_full * x).sum()).backward()
+        out[f"embed_out_sp{sp}"] = diff(e, e_full.detach()[:, seq])
+        out[f"loss_sp{sp}"] = abs(loss.item() - loss_full.item()) / loss_full.item()
+        out[f"loss_dh_sp{sp}"] = diff(hl.grad, hf.grad[:, seq])
+        out[f"loss_dwte_sp{sp}"] = diff(wte.grad, tp.shard_rows(full.wte.weight.grad, grid))
+        full.zero_grad()
+    out["dtensor"] = _dtensor_block(rank, world, full, x)
+    return out
+
+
+def _dtensor_block(rank, world, full, x):
+    """Our block vs PyTorch's parallelize_module(ColwiseParallel/RowwiseParallel) on the same weights.
+    DTensor cuts c_attn's 3E rows contiguously, so first reorder them to [q0 k0 v0 | q1 k1 v1]."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    E = CFG.n_embd
+    ref = copy.deepcopy(full.h[0])
+    perm = torch.arange(3 * E).view(3, world, E // world).transpose(0, 1).reshape(-1)
+    with torch.no_grad():
+        ref.attn.c_attn.weight.copy_(ref.attn.c_attn.weight[perm])
+        ref.attn.c_attn.bias.copy_(ref.attn.c_attn.bias[perm])
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(ref, mesh, {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+                                   "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+    ours = tp.ParallelBlock(copy.deepcopy(full.h[0]), tp.make_grid(world, rank, world))
+    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, yo = ref(xr), ours(xo)
+    yr.pow(2).sum().backward()
+    yo.pow(2).sum().backward()
+    return {"out": diff(yo, yr.detach()), "dx": diff(xo.grad, xr.grad),
+            "dqkv": diff(ours.attn.c_attn.weight.grad, ref.attn.c_attn.weight.grad.to_local()),
+            "dproj": diff(ours.mlp.c_proj.weight.grad, ref.mlp.c_proj.weight.grad.to_local()),
+            "dbias": diff(ours.attn_bias.grad, ref.attn.c_proj.bias.grad.full_tensor())}
+
+
+def test_bad_sizes_fail_before_any_collective(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    base = ["--device", "cpu", "--model", "tiny"]
+    with pytest.raises(ValueError, match="does not divide the world size"):
+        tp.main(base + ["--tp", "3"])
+    with pytest.raises(ValueError, match="3 heads cannot be split"):
+        tp.main(base + ["--tp", "2", "--n-head", "3", "--n-embd", "96"])
+    with pytest.raises(ValueError, match="--seq-len 30 is not divisible"):
+        tp.main(base + ["--tp", "4", "--sequence-parallel", "--seq-len", "30"])
+    # 50304 = 2^7 * 3 * 131 divides by 2, 3, 4, 6, 8 ranks, not by 5
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    with pytest.raises(ValueError, match="padded vocabulary 50304 is not divisible by --tp 5"):
+        tp.main(base + ["--tp", "5", "--n-head", "5", "--n-embd", "40"])
+
+
+def _train(rank, world, runs):
+    """tensor_parallel.main on this process group for each (argv), rank 0's printed lines returned."""
+    printed = []
+    for argv in runs:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            tp.main(argv)
+        printed.append(buf.getvalue())
+    return printed
+
+
+def _layers_then_train(rank, world, runs):
+    return _layers(rank, world), _train(rank, world, runs)
+
+
+def test_parallel_layers_dtensor_block_and_training_match_gpt2(random_data, tmp_path, monkeypatch):
+    """One process group of 2 checks every layer, then trains TP=2 and TP=2 + SP; one of 4 trains
+    TP=2 x DP=2 + SP. Same seed, same global batch of 8: gpt2.py train's losses and final weights."""
+    data, base = ["--data", random_data], str(tmp_path / "base")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    gpt2.train(["--batch-size", "8", "--out", base] + TINY + data)
+    runs = {"tp2": ["--tp", "2", "--batch-size", "8"],
+            "tp2_sp": ["--tp", "2", "--sequence-parallel", "--batch-size", "4", "--grad-accum", "2"],
+            "tp2_dp2_sp": ["--tp", "2", "--sequence-parallel", "--batch-size", "4"]}
+    argv = {k: TINY + data + v + ["--out", str(tmp_path / k)] for k, v in runs.items()}
+    two = run_distributed(_layers_then_train, 2, [argv["tp2"], argv["tp2_sp"]], timeout=240)
+    printed = two[0][1] + run_distributed(_train, 4, [argv["tp2_dp2_sp"]], timeout=240)[0]
+
+    for rank, (res, _) in enumerate(two):
+        dt = res.pop("dtensor")
+        bad = {k: v for k, v in res.items() if not v < 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
+        assert len(res) == 2 * 15
+        assert all(v < 1e-5 for v in dt.values()), f"rank {rank} vs DTensor: {dt}"
+
+    ref = torch.load(os.path.join(base, "model.pt"))["model"]
+    for (name, out), stdout in zip(argv.items(), printed):
+        out = out[-1]
+        assert max_rel_diff(train_losses(out), train_losses(base)) <= 1e-4, name
+        recs = [r for r in read_metrics(out) if "loss" in r]
+        assert all(abs(r["comm_mb"] - r["comm_closed_form_mb"]) <= 1e-6 * r["comm_closed_form_mb"] for r in recs), name
+        assert recs[0]["comm_mb"] > 0
+        # the TP group's gathered weights are gpt2's. The key bias is excluded: its true gradient is 0
+        # (a constant added to every key shifts all scores of a query equally), so its grad is rounding
+        # noise that Adam normalises into lr-sized steps of random sign.
+        got = torch.load(os.path.join(out, "model.pt"))["model"]
+        assert got.keys() == ref.keys()
+        for k in ref:
+            keep = torch.ones(ref[k].shape[0], dtype=torch.bool)
+            if k.endswith("attn.c_attn.bias"):
+                keep[ref[k].numel() // 3: 2 * ref[k].numel() // 3] = False
+            assert (got[k][keep] - ref[k][keep]).abs().max() <= 1e-5, (name, k)
+        lines = [l for l in stdout.splitlines() if l.startswith("activation memory")]
+        blocks = [float(l.split(": ")[1].split(" MB")[0]) for l in lines]
+        assert len(blocks) == 2 and blocks[1] < blocks[0], lines
