@@ -1,0 +1,521 @@
+"""
+checkpoint.py - sharded, asynchronous, crash-safe checkpoints for a ZeRO-1 run, with resharding
+and bit-exact resume.
+
+The idea: a long pre-training run will be killed (preemption, a dead GPU, a bug at hour 30), so it
+must be able to continue exactly where it stopped. Here the optimizer state is sharded (a minimal
+ZeRO-1, written below: every rank owns 1/N of the fp32 parameters and of AdamW's two moments), so the
+checkpoint is sharded too: each rank writes only its own slice, tagged with its global offsets, in the
+background while training goes on. A checkpoint exists only once rank 0 has seen every shard durable
+and renamed the manifest into place; on restart the newest checkpoint whose checksums verify is loaded,
+onto any number of ranks (the slices are re-cut by global offset), together with the data-loader
+position and the RNG states, so the resumed run computes the very same losses as an uninterrupted one.
+
+    ZeRO-1 (2 ranks): one flat fp32 vector of all parameters, padded to a multiple of the world size
+        flat params  [=========== rank 0 slice ===========|=========== rank 1 slice ===========]
+        grads        every rank holds full grads -> reduce-scatter -> each keeps the mean of its slice
+        AdamW        each rank updates its slice (params, exp_avg, exp_avg_sq) -> all-gather params
+
+    save at step S (every --save-every steps)
+        main thread:  wait for save S-k | copy my slices + RNG + loader position to CPU | train on
+        writer:       step_S/rankR-of-N.safetensors (write, fsync, sha256)
+                      -> all-gather (ok, bytes, sha256) on a separate gloo group
+                      -> rank 0: manifest.json.tmp, fsync, rename to manifest.json (the commit), prune
+    ckpt_dir/step_000010/{rank00000-of-00002.safetensors, rank00001-of-00002.safetensors, manifest.json}
+
+    load (N writers -> M readers): rank r of M needs global range [r*L, (r+1)*L), L = padded/M;
+        it reads and verifies only the old shards overlapping that range and copies the overlaps.
+
+Launch:
+    torchrun --nproc_per_node=2 checkpoint.py --ckpt-dir out/ckpt --save-every 50   # resumes if it can
+    torchrun --nproc_per_node=8 checkpoint.py --model gpt2 --data data/fineweb10B --batch-size 16 \\
+        --grad-accum 4 --compile --ckpt-dir /scratch/ckpt --save-every 250 --keep 3
+    torchrun --max-restarts 3 --nproc_per_node=8 checkpoint.py ...   # a dead worker restarts the job,
+                                                                     # which resumes from the last commit
+    python checkpoint.py --ckpt-dir out/ckpt                         # one process; reshards N -> 1
+
+References: Rajbhandari et al. 2020, ZeRO (section 5.1, P_os: optimizer-state partitioning);
+Mohan et al. 2021, CheckFreq (FAST'21, section 4: snapshot to memory, persist in the background);
+Eisenman et al. 2022, Check-N-Run (NSDI'22); PyTorch torch.distributed.checkpoint (DCP) and
+Megatron-LM's distributed checkpointing (resharding by global offsets); the safetensors file layout.
+"""
+import hashlib
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import gpt2
+from gpt2 import print0
+
+# torch 2.13 renamed the single-tensor collectives (same signature); older versions have the old names
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# ----------------------------------------------------------------------------------------------------
+# ZeRO-1: flat fp32 parameters and gradients, AdamW on this rank's slice only
+
+
+class Zero1:
+    """Every parameter becomes a view into one flat fp32 vector (and every .grad a view into a flat
+    gradient vector), so the collectives run on a single buffer and a rank's shard is a plain slice
+    [lo, hi) of it. 2-D weights come first, so a slice splits into at most one decayed and one
+    non-decayed piece and can be handed to torch's AdamW as (at most) two parameters."""
+
+    def __init__(self, model, args, ctx, comm):
+        self.ctx, self.comm, self.world = ctx, comm, ctx.world
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # the tied wte counts once
+        named = [np_ for np_ in named if np_[1].dim() >= 2] + [np_ for np_ in named if np_[1].dim() < 2]
+        self.numel = sum(p.numel() for _, p in named)
+        self.n_decay = sum(p.numel() for _, p in named if p.dim() >= 2)
+        self.shard = -(-self.numel // self.world)  # ceil: pad so every rank holds an equal slice
+        self.flat = torch.zeros(self.shard * self.world, device=ctx.device, dtype=torch.float32)
+        self.grad = torch.zeros_like(self.flat)
+        self.layout, off = [], 0
+        for name, p in named:
+            n = p.numel()
+            self.flat[off: off + n].copy_(p.detach().reshape(-1))
+            p.data = self.flat[off: off + n].view_as(p)
+            p.grad = self.grad[off: off + n].view_as(p)  # backward accumulates in place into the flat buffer
+            self.layout.append([name, list(p.shape), off])
+            off += n
+        self.lo, self.hi = ctx.rank * self.shard, min((ctx.rank + 1) * self.shard, self.numel)  # real, unpadded
+        # the reduce-scatter output; with one rank the flat gradient itself
+        self.grad_shard = self.grad[self.lo: self.lo + self.shard] if self.world == 1 else \
+            torch.zeros(self.shard, device=ctx.device, dtype=torch.float32)
+        # this rank's slice as optimizer parameters: views, so AdamW writes straight into self.flat
+        self.pieces = []  # (a, b, weight_decay) in global offsets
+        if self.lo < self.n_decay:
+            self.pieces.append((self.lo, min(self.hi, self.n_decay), args.weight_decay))
+        if self.hi > self.n_decay:
+            self.pieces.append((max(self.lo, self.n_decay), self.hi, 0.0))
+        self.params = []
+        for a, b, _ in self.pieces:
+            p = torch.nn.Parameter(self.flat[a:b])
+            p.grad = self.grad_shard[a - self.lo: b - self.lo]
+            self.params.append(p)
+
+    def optimizer_groups(self):
+        return [{"params": [p], "weight_decay": wd} for p, (_, _, wd) in zip(self.params, self.pieces)]
+
+    def reduce_scatter_grads(self):
+        """Sum the full gradients over ranks, keep my slice, divide by N: the data-parallel mean."""
+        if self.world > 1:
+            reduce_scatter_single(self.grad_shard, self.grad)  # SUM: gloo has no AVG
+            self.grad_shard.div_(self.world)
+            self.comm.reduce_scatter(self.grad.numel() * 4, self.world)
+
+    def clip_global_grad_norm(self, max_norm):
+        """torch.nn.utils.clip_grad_norm_ over the whole model, from the slices: sum of squares of my
+        slice, all-reduced, is the squared global norm (padding gradients are zero)."""
+        sq = self.grad_shard.square().sum()
+        if self.world > 1:
+            dist.all_reduce(sq)
+            self.comm.all_reduce(4, self.world)
+        coef = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+        self.grad_shard.mul_(coef)
+
+    def all_gather_params(self):
+        """Every rank's updated slice to every rank: in place, the input is my slice of the output."""
+        if self.world > 1:
+            all_gather_single(self.flat, self.flat[self.ctx.rank * self.shard: (self.ctx.rank + 1) * self.shard])
+            self.comm.all_gather(self.flat.numel() * 4, self.world)
+
+    def zero_grad(self):
+        self.grad.zero_()  # never set_to_none: the .grad views must keep pointing into self.grad
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shard files: the safetensors layout (8-byte header length, JSON header, raw bytes), sha256 on the fly
+
+DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.uint8: "U8"}
+
+
+class CorruptCheckpoint(Exception):
+    pass
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # makes the rename itself durable, not only the file's bytes
+    finally:
+        os.close(fd)
+
+
+def write_shard(path, tensors, meta):
+    """Write CPU tensors to path (via path.tmp + fsync + rename) and return (bytes, sha256 hex)."""
+    header, off = {"__metadata__": {k: json.dumps(v) for k, v in meta.items()}}, 0
+    for k, t in tensors.items():
+        header[k] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + t.numel() * t.element_size()]}
+        off += t.numel() * t.element_size()
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    chunks = [len(hb).to_bytes(8, "little"), hb] + [t.reshape(-1).view(torch.uint8).numpy() for t in tensors.values()]
+    h, size = hashlib.sha256(), 0
+    with open(path + ".tmp", "wb") as f:
+        for c in chunks:
+            f.write(c)  # both release the GIL on large buffers: training goes on meanwhile
+            h.update(c)
+            size += len(c)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    return size, h.hexdigest()
+
+
+def read_shard(path, nbytes, sha256):
+    """Read a whole shard, verify size and checksum, return (tensors, metadata)."""
+    try:
+        with open(path, "rb") as f:
+            data = bytearray(f.read())
+    except OSError as e:
+        raise CorruptCheckpoint(f"{path}: {e}") from None
+    if len(data) != nbytes or hashlib.sha256(data).hexdigest() != sha256:
+        raise CorruptCheckpoint(f"{path}: {len(data)} bytes / sha256 differ from the manifest's {nbytes} bytes / {sha256[:12]}...")
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8: 8 + n])
+    meta = {k: json.loads(v) for k, v in header.pop("__metadata__").items()}
+    dt = {v: k for k, v in DTYPES.items()}
+    tensors = {}
+    for k, m in header.items():
+        a, b = m["data_offsets"]
+        tensors[k] = torch.frombuffer(data, dtype=dt[m["dtype"]], count=(b - a) // dt[m["dtype"]].itemsize,
+                                      offset=8 + n + a).view(m["shape"]) if b > a else torch.empty(m["shape"], dtype=dt[m["dtype"]])
+    return tensors, meta
+
+
+def step_dir(ckpt_dir, step):
+    return os.path.join(ckpt_dir, f"step_{step:06d}")
+
+
+def list_checkpoints(ckpt_dir):
+    """Steps that have a step_* directory (committed or not), newest first."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    steps = [int(d[5:]) for d in os.listdir(ckpt_dir) if d.startswith("step_") and d[5:].isdigit()]
+    return sorted(steps, reverse=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Save: snapshot to CPU memory, write in a background thread, commit by rank 0's manifest rename
+
+
+class AsyncCheckpointer:
+    def __init__(self, args, ctx, zero, comm):
+        self.args, self.ctx, self.zero, self.comm = args, ctx, zero, comm
+        self.thread, self.error, self.buffers = None, None, None
+        # the writer thread talks over its own gloo group: collectives on one group must be issued in
+        # the same order on every rank, and the training thread's order is not the writer's
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)) if ctx.world > 1 else None
+
+    def wait(self):
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            raise RuntimeError(f"checkpoint writer failed on rank {self.ctx.rank}") from self.error
+
+    def snapshot(self, opt):
+        """Copy this rank's slices to CPU (pinned, reused) buffers. On CUDA the copies are queued on
+        the compute stream, so the next optimizer step cannot overwrite them first; the writer waits
+        on an event. Returns the tensors to write."""
+        z, n = self.zero, self.zero.hi - self.zero.lo
+        cuda = self.ctx.device.type == "cuda"
+        if self.buffers is None:
+            self.buffers = {k: torch.empty(n, dtype=torch.float32, pin_memory=cuda) for k in ("params", "exp_avg", "exp_avg_sq")}
+        b = self.buffers
+        b["params"].copy_(z.flat[z.lo: z.hi], non_blocking=cuda)
+        for p, (lo, hi, _) in zip(z.params, z.pieces):
+            st = opt.state[p]
+            b["exp_avg"][lo - z.lo: hi - z.lo].copy_(st["exp_avg"], non_blocking=cuda)
+            b["exp_avg_sq"][lo - z.lo: hi - z.lo].copy_(st["exp_avg_sq"], non_blocking=cuda)
+        out = dict(b, rng_cpu=torch.get_rng_state())
+        if cuda:
+            out["rng_cuda"] = torch.cuda.get_rng_state(self.ctx.device)
+            event = torch.cuda.Event()
+            event.record()
+            return out, event
+        return out, None
+
+    def save(self, step, opt, loader):
+        """Block only for the previous save and for the copy to CPU; the rest runs in the background."""
+        self.wait()  # a new save waits for the previous one (and reuses its buffers)
+        tensors, event = self.snapshot(opt)
+        meta = {"step": step, "rank": self.ctx.rank, "world": self.ctx.world, "lo": self.zero.lo,
+                "hi": self.zero.hi, "loader": loader.state_dict()}
+        if self.ctx.world > 1:
+            self.comm.all_gather(self.ctx.world * 41, self.ctx.world)  # the writer's commit handshake
+        self.thread = threading.Thread(target=self._write_and_commit, args=(step, tensors, meta, event), daemon=True)
+        self.thread.start()
+
+    def _write_and_commit(self, step, tensors, meta, event):
+        ctx, d = self.ctx, step_dir(self.args.ckpt_dir, step)
+        name = f"rank{ctx.rank:05d}-of-{ctx.world:05d}.safetensors"
+        report = torch.zeros(41, dtype=torch.uint8)  # ok flag, byte count (8 bytes), sha256 (32 bytes)
+        try:
+            if event is not None:
+                event.synchronize()
+            os.makedirs(d, exist_ok=True)
+            if ctx.master and os.path.exists(os.path.join(d, "manifest.json")):
+                os.remove(os.path.join(d, "manifest.json"))  # a stale commit of a discarded run
+            size, sha = write_shard(os.path.join(d, name), tensors, meta)
+            report[0] = 1
+            report[1:9] = torch.tensor(list(size.to_bytes(8, "little")), dtype=torch.uint8)
+            report[9:] = torch.tensor(list(bytes.fromhex(sha)), dtype=torch.uint8)
+        except BaseException as e:  # still join the handshake below, so no peer waits for us forever
+            self.error = e
+        try:
+            reports = torch.zeros(ctx.world, 41, dtype=torch.uint8)
+            if self.group is not None:
+                all_gather_single(reports.view(-1), report, group=self.group)
+            else:
+                reports[0] = report
+            if ctx.master and self.error is None:
+                if not bool(reports[:, 0].all()):
+                    raise RuntimeError(f"step {step}: a rank failed to write its shard; not committed")
+                self._commit(step, d, reports, meta["loader"])
+        except BaseException as e:
+            self.error = self.error or e
+
+    def _commit(self, step, d, reports, loader_state):
+        """Rank 0, once every shard is durable: the manifest goes last, by atomic rename."""
+        z, W = self.zero, self.ctx.world
+        shards = []
+        for r in range(W):
+            rep = bytes(reports[r].tolist())
+            shards.append({"file": f"rank{r:05d}-of-{W:05d}.safetensors", "lo": r * z.shard, "hi": min((r + 1) * z.shard, z.numel),
+                           "bytes": int.from_bytes(rep[1:9], "little"), "sha256": rep[9:].hex()})
+        a = self.args
+        manifest = {"format": 1, "step": step, "world": W, "numel": z.numel, "layout": z.layout, "loader": loader_state,
+                    "global_batch": W * a.batch_size * a.grad_accum, "seq_len": a.seq_len, "shards": shards}
+        path = os.path.join(d, "manifest.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(manifest, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        fsync_dir(d)
+        self.prune(step)
+
+    def prune(self, newest):
+        """Keep the last --keep committed checkpoints; drop older ones and uncommitted leftovers."""
+        kept = 0
+        for s in list_checkpoints(self.args.ckpt_dir):
+            committed = os.path.exists(os.path.join(step_dir(self.args.ckpt_dir, s), "manifest.json"))
+            if s <= newest and committed and kept < self.args.keep:
+                kept += 1
+            elif s < newest:
+                shutil.rmtree(step_dir(self.args.ckpt_dir, s), ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Load: the newest checkpoint that verifies, re-cut to this world's slices
+
+
+def read_checkpoint(ckpt_dir, step, zero, ctx):
+    """This rank's slices of step `step` (any writer world size). Raises CorruptCheckpoint."""
+    d = step_dir(ckpt_dir, step)
+    try:
+        with open(os.path.join(d, "manifest.json")) as f:
+            man = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"{d}: no readable manifest ({e.__class__.__name__}): never committed") from None
+    if man["layout"] != zero.layout:
+        raise ValueError(f"{d} was written for another model (parameter layout differs): use another --ckpt-dir")
+    out = {k: torch.empty(zero.hi - zero.lo) for k in ("params", "exp_avg", "exp_avg_sq")}
+    rng = {}
+    for r, sh in enumerate(man["shards"]):
+        a, b = max(sh["lo"], zero.lo), min(sh["hi"], zero.hi)
+        if a >= b and r != ctx.rank:
+            continue  # a shard I need neither for my slice nor for my RNG state
+        tensors, meta = read_shard(os.path.join(d, sh["file"]), sh["bytes"], sh["sha256"])
+        if meta["lo"] != sh["lo"] or meta["step"] != step:
+            raise CorruptCheckpoint(f"{d}/{sh['file']}: its metadata disagrees with the manifest")
+        for k in out:
+            if a < b:
+                out[k][a - zero.lo: b - zero.lo] = tensors[k][a - sh["lo"]: b - sh["lo"]]
+        if r == ctx.rank:  # a rank of the new world that did not exist in the old keeps its seeded RNG
+            rng = {k: tensors[k].clone() for k in ("rng_cpu", "rng_cuda") if k in tensors}
+    return man, out, rng
+
+
+def load_latest(args, zero, opt, loader, ctx):
+    """Try the checkpoints newest first; every rank must verify its part of one. Returns its step or 0."""
+    if not args.ckpt_dir:
+        return 0
+    steps = list_checkpoints(args.ckpt_dir)
+    if ctx.world > 1:  # everyone walks rank 0's list, so no rank can disagree on the candidates
+        n = torch.tensor([len(steps)], dtype=torch.int64)
+        dist.broadcast(n, 0)
+        t = torch.tensor(steps if ctx.master else [0] * int(n), dtype=torch.int64)
+        dist.broadcast(t, 0)
+        steps = t.tolist()
+    for step in steps:
+        try:
+            man, slices, rng = read_checkpoint(args.ckpt_dir, step, zero, ctx)
+            ok, why = 1, ""
+        except CorruptCheckpoint as e:
+            ok, why = 0, str(e)
+        if ctx.world > 1:
+            flag = torch.tensor([ok], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            ok_all = int(flag)
+        else:
+            ok_all = ok
+        if not ok:
+            print(f"[rank {ctx.rank}] checkpoint step {step} is unusable: {why}", flush=True)
+        if not ok_all:
+            print0(f"skipping checkpoint step {step}; trying the previous one")
+            continue
+        with torch.no_grad():
+            zero.flat[zero.lo: zero.hi].copy_(slices["params"])
+        zero.all_gather_params()  # everyone's slice to everyone: the full weights again
+        zero.comm.take_mb()
+        sd = opt.state_dict()
+        for i, (lo, hi, _) in enumerate(zero.pieces):
+            sd["state"][i] = {"step": torch.tensor(float(step)),  # AdamW's bias correction counts steps
+                              "exp_avg": slices["exp_avg"][lo - zero.lo: hi - zero.lo],
+                              "exp_avg_sq": slices["exp_avg_sq"][lo - zero.lo: hi - zero.lo]}
+        opt.load_state_dict(sd)
+        if "rng_cpu" in rng:
+            torch.set_rng_state(rng["rng_cpu"])
+        if "rng_cuda" in rng and ctx.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["rng_cuda"], ctx.device)
+        loader.load_state_dict(man["loader"])  # a token offset: valid for any world size
+        gb = ctx.world * args.batch_size * args.grad_accum
+        if man["world"] != ctx.world:
+            print0(f"resharding: written by {man['world']} ranks, loaded by {ctx.world}")
+        if man["global_batch"] != gb or man["seq_len"] != args.seq_len:
+            print0(f"warning: global batch {man['global_batch']}x{man['seq_len']} -> {gb}x{args.seq_len}: "
+                   f"the run continues, but no longer on the original curve")
+        if ctx.master:  # newer step_* dirs are uncommitted or corrupt: they will be written again
+            for s in list_checkpoints(args.ckpt_dir):
+                if s > step:
+                    print0(f"discarding {step_dir(args.ckpt_dir, s)} (newer than the resumed checkpoint)")
+                    shutil.rmtree(step_dir(args.ckpt_dir, s), ignore_errors=True)
+        print0(f"resumed from step {step}")
+        return step
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training: gpt2.train's loop on ZeRO-1, with saves and resume
+
+
+def read_old_metrics(path):
+    """What an earlier attempt logged (a line cut short by a kill is dropped)."""
+    recs = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    recs.append(json.loads(line))
+                except ValueError:
+                    pass
+    return recs
+
+
+def main(argv=None):
+    p = gpt2.make_parser("GPT-2 on ZeRO-1 with sharded, asynchronous, crash-safe checkpoints and resharding resume.")
+    p.add_argument("--ckpt-dir", help="checkpoint directory; the newest valid checkpoint in it is resumed")
+    p.add_argument("--save-every", type=int, default=0, help="save every N steps, and after the last (0 = never)")
+    p.add_argument("--keep", type=int, default=2, help="committed checkpoints to keep (older ones are pruned)")
+    p.add_argument("--fail-at", type=int, default=-1,
+                   help="fault injection for tests: the last rank calls os._exit(1) before this step, on "
+                        "torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT=0); -1 = never")
+    args = p.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    for flag in ("steps", "batch_size", "seq_len", "grad_accum", "keep"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.save_every < 0:
+        raise ValueError("--save-every must be >= 0")
+    if args.save_every and not args.ckpt_dir:
+        raise ValueError("--save-every needs --ckpt-dir")
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE={world}")
+
+    own_group = world > 1 and not dist.is_initialized()  # tests may call main() inside their own group
+    ctx = gpt2.setup(args)
+    comm = gpt2.CommMeter()
+    model = gpt2.build_model(args).to(ctx.device)
+    cfg = model.config
+    zero = Zero1(model, args, ctx, comm)
+    opt = gpt2.make_adamw(zero.optimizer_groups(), args, ctx.device)
+    train_loader, val_loader = gpt2.make_loaders(args, ctx.rank, ctx.world, cfg.vocab_size)
+    ckpt = AsyncCheckpointer(args, ctx, zero, comm) if args.ckpt_dir else None
+    old = read_old_metrics(os.path.join(args.out, "metrics.jsonl")) if ctx.master else []
+    start = load_latest(args, zero, opt, train_loader, ctx)
+    if start >= args.steps:
+        print0(f"checkpoint at step {start} >= --steps {args.steps}: nothing left to train")
+        if own_group:
+            dist.destroy_process_group()
+        return
+    fwd = torch.compile(model) if args.compile else model
+    metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), ctx.world * args.batch_size * args.seq_len * args.grad_accum)
+    for rec in old:  # the resumed run's metrics.jsonl carries the whole curve, not just its own steps
+        if rec["step"] < start:
+            metrics._write(rec)
+    profiler = gpt2.Profiler(args, ctx)
+    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {ctx.world} ranks x "
+           f"{zero.shard:,} flat params each | device {ctx.device} {ctx.dtype}")
+
+    def val_loss_fn(x, y):
+        with ctx.autocast():
+            return fwd(x, y)[1]
+
+    for step in range(start, args.steps):
+        if step == args.fail_at and ctx.rank == ctx.world - 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            print(f"[rank {ctx.rank}] --fail-at {step}: exiting abruptly", flush=True)
+            os._exit(1)
+        profiler.step(step)
+        metrics.start_step()
+        lr = gpt2.lr_at(step, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss_sum = torch.zeros((), device=ctx.device)
+        for _ in range(args.grad_accum):
+            x, y = train_loader.next_batch()
+            with ctx.autocast():
+                _, loss = fwd(x.to(ctx.device), y.to(ctx.device))
+            loss = loss / args.grad_accum
+            loss_sum += loss.detach()
+            loss.backward()
+        zero.reduce_scatter_grads()
+        if args.grad_clip > 0:
+            zero.clip_global_grad_norm(args.grad_clip)
+        opt.step()
+        zero.all_gather_params()
+        zero.zero_grad()
+        if ctx.world > 1:
+            dist.all_reduce(loss_sum)
+            comm.all_reduce(4, ctx.world)
+            loss_sum /= ctx.world
+        loss_val = loss_sum.item()
+        gpt2.check_finite(loss_val, step)
+        t0 = time.perf_counter()
+        if ckpt and args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            ckpt.save(step + 1, opt, train_loader)  # the state *after* step: resume runs step + 1 next
+        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb(), ckpt_block_ms=1e3 * (time.perf_counter() - t0))
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            model.eval()
+            metrics.log_val(step, gpt2.evaluate(val_loss_fn, val_loader, args.eval_steps, ctx.device))
+            model.train()
+    if ckpt:
+        t0 = time.perf_counter()
+        ckpt.wait()
+        print0(f"last checkpoint committed ({1e3 * (time.perf_counter() - t0):.0f} ms waited at the end)")
+    metrics.plot()
+    if own_group:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
