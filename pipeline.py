@@ -306,15 +306,9 @@ class Pipeline:
         per = self.cfg.n_layer // self.S
         self.layers = {s: (s * per, (s + 1) * per) for s in range(self.S)}
         self.my_stages = stages_of(self.schedule, P, self.pp_rank)
-        keep = {i for s in self.my_stages for i in range(*self.layers[s])}
-        for i in range(self.cfg.n_layer):
-            if i not in keep:
-                model.h[i] = nn.Identity()
         self.first, self.last = 0 in self.my_stages, self.S - 1 in self.my_stages
-        if not self.first:
-            model.wte, model.wpe = None, None  # on the last stage lm_head still holds the tied matrix
-        if not self.last:
-            model.ln_f, model.lm_head = None, None
+        keep = {i for s in self.my_stages for i in range(*self.layers[s])}
+        keep_only(model, keep, self.first, self.last)
         self.model = model.to(ctx.device)
         if args.compile:  # per block, so the stage cuts stay plain Python
             for i in sorted(keep):
@@ -493,9 +487,9 @@ class Pipeline:
             if m.bias is not None:
                 _accumulate(m.bias, dy2.float().sum(0))
 
-    def run(self, orders, x, y, scale, align=False):
+    def run(self, orders, x, y, scale, align=False, timed=True):
         """Run this rank's op list on the batch (x, y) -> this rank's part of the loss (sum of scaled
-        micro-batch losses; non-zero only where a last stage lives)."""
+        micro-batch losses; non-zero only where a last stage lives). timed: record it in the timeline."""
         me = self.pp_rank
         self.expect = {p: collections.deque(k for dst, k in self._sends(orders[p]) if dst == me)
                        for p in range(self.P) if p != me}
@@ -507,7 +501,8 @@ class Pipeline:
         self.loss_sum = torch.zeros((), device=self.ctx.device)
         if align and self.ctx.world > 1:
             dist.barrier()  # start the drawn step together, so the ranks' clocks line up in the picture
-        self.timeline.reset()
+        if timed:
+            self.timeline.reset()
         for op in orders[me]:
             if op.kind == "F" and op.stage > 0:
                 self._exchange([("act", op.stage, op.mb)])
@@ -515,7 +510,7 @@ class Pipeline:
                 self._exchange([("grad", op.stage, op.mb)])
             else:
                 self._exchange()
-            with self.timeline.op(op):
+            with self.timeline.op(op) if timed else contextlib.nullcontext():
                 if op.kind == "F":
                     self._forward(op, xs, ys)
                 elif op.kind == "W":
@@ -580,8 +575,21 @@ class Pipeline:
         total = torch.zeros((), device=self.ctx.device)
         for _ in range(steps):
             x, y = loader.next_batch()
-            total += self.run(self.eval_orders, x, y, 1.0 / self.M)
+            total += self.run(self.eval_orders, x, y, 1.0 / self.M, timed=False)
         return self.global_loss(total / steps)
+
+
+def keep_only(model, layers, first, last):
+    """Strip the full model, in place, down to what a rank's stages run: its blocks, the embeddings on
+    the first stage, ln_f and the head on the last (where lm_head still holds the tied wte matrix)."""
+    for i in range(model.config.n_layer):
+        if i not in layers:
+            model.h[i] = nn.Identity()
+    if not first:
+        model.wte, model.wpe = None, None
+    if not last:
+        model.ln_f, model.lm_head = None, None
+    return model
 
 
 def _accumulate(p, g, rows=None):
