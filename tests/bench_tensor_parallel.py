@@ -1,0 +1,123 @@
+"""Step time of tensor_parallel.py vs PyTorch's DTensor tensor parallelism on the same model, weights and
+batches, in one run. The DTensor model: parallelize_module with ColwiseParallel/RowwiseParallel on the
+blocks (c_attn's rows reordered so each rank's contiguous slice is [q_r; k_r; v_r]), a RowwiseParallel
+vocab-parallel embedding, a ColwiseParallel head sharded on the vocabulary and loss_parallel().
+
+    torchrun --nproc_per_node=2 tests/bench_tensor_parallel.py                        # CPU gloo, tiny
+    torchrun --nproc_per_node=8 tests/bench_tensor_parallel.py --model gpt2 --seq-len 1024 --batch-size 8 --compile
+
+Both must also agree on the loss (same math): the last column is |loss - ours| / ours at the last step.
+"""
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gpt2  # noqa: E402
+import tensor_parallel as tp  # noqa: E402
+
+
+def dtensor_model(args, ctx, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    model = gpt2.build_model(args).to(ctx.device)
+    cfg, E = model.config, model.config.n_embd
+    perm = torch.arange(3 * E, device=ctx.device).view(3, world, E // world).transpose(0, 1).reshape(-1)
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i, b in enumerate(model.h):
+        with torch.no_grad():
+            b.attn.c_attn.weight.copy_(b.attn.c_attn.weight[perm])
+            b.attn.c_attn.bias.copy_(b.attn.c_attn.bias[perm])
+        plan.update({f"h.{i}.attn.c_attn": ColwiseParallel(), f"h.{i}.attn.c_proj": RowwiseParallel(),
+                     f"h.{i}.mlp.c_fc": ColwiseParallel(), f"h.{i}.mlp.c_proj": RowwiseParallel()})
+    mesh = init_device_mesh(ctx.device.type, (world,))
+    parallelize_module(model, mesh, plan)
+    model.lm_head.weight = model.wte.weight  # both Shard(0) of (V, E): re-tie after distribution
+    pad = torch.zeros(cfg.padded_vocab, device=ctx.device)
+    pad[cfg.vocab_size:] = float("-inf")
+    return model, distribute_tensor(pad, mesh, [Shard(0)])
+
+
+def dtensor_step(model, pad, x, y, ctx):
+    from torch.distributed.tensor.parallel import loss_parallel
+    with loss_parallel():
+        with ctx.autocast():
+            h = model.forward_blocks(model.embed(x))
+            logits = model.lm_head(model.ln_f(h)) + pad
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+    return loss.detach()
+
+
+def dtensor_clip(model, max_norm):
+    from torch.distributed.tensor import DTensor
+    norms = [torch.linalg.vector_norm(p.grad) for p in model.parameters() if p.grad is not None]
+    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    coef = min(1.0, max_norm / (total.item() + 1e-6))
+    for p in model.parameters():
+        p.grad.mul_(coef)
+
+
+def main():
+    p = gpt2.make_parser("bench: tensor_parallel.py vs DTensor")
+    p.add_argument("--sequence-parallel", action="store_true", help="ours with SP (DTensor side stays plain TP)")
+    p.set_defaults(steps=10, batch_size=8, seq_len=64, n_layer=2, eval_every=0, device="auto", out="out/bench_tp")
+    args = p.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    args.tp = None  # all ranks form one TP group
+    args.tp = tp.validate(args, gpt2.model_config(args), world)
+    ctx = gpt2.setup(args)
+    grid = tp.make_grid(world, ctx.rank, world, args.sequence_parallel)
+    models = {"ours": tp.TensorParallelGPT(gpt2.build_model(args).to(ctx.device), grid)}
+    models["dtensor"], pad = dtensor_model(args, ctx, world)
+    opts, loaders, times, losses = {}, {}, {k: [] for k in models}, {k: [] for k in models}
+    for name, model in models.items():
+        if args.compile:
+            for b in model.h:
+                b.attn.compile()
+                b.mlp.compile()
+        opts[name] = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
+        loaders[name] = gpt2.make_loaders(args, 0, 1, vocab_size=50257)[0]
+    for step in range(args.steps):  # interleaved, so both see the same machine load
+        for name, model in models.items():
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for g in opts[name].param_groups:
+                g["lr"] = gpt2.lr_at(step, args)
+            x, y = (t.to(ctx.device) for t in loaders[name].next_batch())
+            if name == "ours":
+                with ctx.autocast():
+                    loss = model(x, y)
+                loss.backward()
+                tp.clip_grad_norm(model, grid, args.grad_clip)
+            else:
+                loss = dtensor_step(model, pad, x, y, ctx)
+                dtensor_clip(model, args.grad_clip)
+            opts[name].step()
+            opts[name].zero_grad(set_to_none=True)
+            losses[name].append(loss.item())
+            times[name].append(time.perf_counter() - t0)
+    results = {k: (statistics.median(times[k][2:]) * 1e3, losses[k][-1]) for k in models}
+    tokens = args.batch_size * args.seq_len
+    gpt2.print0(f"\nTP={world} {args.model} (L={gpt2.model_config(args).n_layer}) B={args.batch_size} T={args.seq_len} "
+                f"{ctx.device.type} {ctx.dtype}, median of steps 2..{args.steps - 1}")
+    gpt2.print0(f"| {'implementation':<28} | step ms | tok/s   | loss at last step | rel diff vs ours |")
+    gpt2.print0(f"|{'-' * 30}|---------|---------|-------------------|------------------|")
+    for name, (ms, loss) in results.items():
+        label = "tensor_parallel.py" + (" + SP" if args.sequence_parallel else "") if name == "ours" else "DTensor parallelize_module"
+        gpt2.print0(f"| {label:<28} | {ms:7.1f} | {tokens / ms * 1e3:7.0f} | {loss:17.6f} | "
+                    f"{abs(loss - results['ours'][1]) / results['ours'][1]:16.2e} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
