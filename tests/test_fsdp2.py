@@ -1,0 +1,167 @@
+"""fsdp2.py: the loss curve of gpt2.py train in both reshard modes, 1/N shards, gathered weights freed
+after forward (ZeRO-3), traffic = theory, and the same parameters as torch's fully_shard (2 and 4 ranks)."""
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp2
+import gpt2
+from harness import max_rel_diff, read_metrics, run_cli, run_distributed, train_losses
+
+STEPS = 12
+TINY = ["--model", "tiny", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--device", "cpu",
+        "--dtype", "float32", "--eval-every", "0", "--warmup", "3", "--lr", "3e-3", "--steps", str(STEPS)]
+
+
+def param_rel_diff(a, b):
+    """max over tensors of ||a - b|| / ||b||. AdamW divides each gradient by its own running RMS, so
+    an element whose gradient nearly cancels turns fp32 reordering noise into a visible step: the
+    same single process run as 2 micro-steps of 4 already differs from 1 of 8 by 1.3e-4 here. Any
+    real mistake (a wrong slice, a missing rank) moves the parameters by tens of percent."""
+    assert sorted(a) == sorted(b)
+    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def baseline(shakespeare, tmp_path_factory):
+    """The single-process run every sharded run must reproduce: 12 steps of 8 sequences."""
+    out = str(tmp_path_factory.mktemp("base"))
+    run_cli(["gpt2.py", "train", *TINY, "--data", shakespeare, "--batch-size", "8", "--out", out])
+    return out
+
+
+def fully_shard_train(args, rank, world, reshard_after_forward):
+    """The same model, batches and loop with PyTorch's FSDP2: a unit per Block plus the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    model = gpt2.build_model(args)
+    for block in model.h:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, torch.device("cpu"))
+    loader, _ = gpt2.make_loaders(args, rank, world)
+    losses = []
+    for step in range(args.steps):
+        for g in opt.param_groups:
+            g["lr"] = gpt2.lr_at(step, args)
+        x, y = loader.next_batch()
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}, losses
+
+
+def ours_vs_fully_shard(rank, world, argv, reshard):
+    """Train with fsdp2.train (the CLI path, in this process group), look inside (2 ranks), then train
+    fully_shard on the same batches. Rank 0 returns the largest parameter difference, both loss curves
+    and what the inspection found."""
+    fsdp, opt = fsdp2.train(argv + ["--reshard-after-forward", str(reshard)])
+    out = argv[argv.index("--out") + 1]
+    ours_losses = train_losses(out) if rank == 0 else None
+    found = inspect_sharding(fsdp, opt) if world == 2 else {"max_gathered_trained": fsdp.max_gathered_blocks}
+    args = gpt2.make_parser("").parse_args(argv)
+    theirs, their_losses = fully_shard_train(args, rank, world, bool(reshard))
+    if rank != 0:
+        return None
+    ours = torch.load(os.path.join(out, "model.pt"), weights_only=True)["model"]
+    return param_rel_diff(ours, theirs), ours_losses, their_losses, found
+
+
+def inspect_sharding(fsdp, opt):
+    """The slices, the freeing of gathered weights, in both modes, on a trained FullyShardedGPT."""
+    res = {"max_gathered_trained": fsdp.max_gathered_blocks}
+    # 1. each rank persistently holds 1/world of every parameter (plus padding rows), and its AdamW
+    #    state is exactly its slice: 2 fp32 tensors per slice
+    res["n_total"] = sum(math.prod(s) for u in fsdp.units for s in u.shapes)
+    res["shard_numel"] = sum(s.numel() for s in fsdp.shards())
+    res["adam_numel"] = sum(v.numel() for st in opt.state.values() for k, v in st.items() if k != "step")
+    res["nothing_gathered_after_step"] = all(p.untyped_storage().nbytes() == 0 for u in fsdp.units for p in u.padded)
+    # 2. gathered weights are freed after forward in ZeRO-3 and kept in ZeRO-2 (no optimizer step
+    #    here: the parameters stay those of model.pt)
+    x = torch.randint(0, 50257, (4, 16))
+    for mode in (1, 0):
+        fsdp.reshard_after_forward = bool(mode)
+        fsdp.max_gathered_blocks = 0
+        loss = fsdp.forward(x, x)
+        res[f"blocks_alive_after_forward_{mode}"] = [sum(p.untyped_storage().nbytes() for p in u.padded) for u in fsdp.blocks]
+        res[f"root_alive_after_forward_{mode}"] = all(p.untyped_storage().nbytes() > 0 for p in fsdp.root.padded)
+        loss.backward()
+        fsdp.finish_backward()
+        res[f"freed_after_backward_{mode}"] = all(p.untyped_storage().nbytes() == 0 for u in fsdp.units for p in u.padded)
+        res[f"max_gathered_{mode}"] = fsdp.max_gathered_blocks
+        res[f"full_grads_dropped_{mode}"] = all(p.grad is None for u in fsdp.units for p in u.full)
+        opt.zero_grad(set_to_none=True)
+    return res
+
+
+def test_matches_single_process_zero3_torchrun(baseline, shakespeare, tmp_path):
+    """torchrun, 2 ranks x 4 sequences, ZeRO-3 = gpt2.py train with 8; model.pt is the full model."""
+    out = str(tmp_path / "fsdp")
+    proc = run_cli(["fsdp2.py", *TINY, "--data", shakespeare, "--batch-size", "4", "--out", out], nproc=2)
+    ref, got = train_losses(baseline), train_losses(out)
+    assert len(got) == STEPS and max_rel_diff(got, ref) <= 1e-5, (got, ref)
+    assert ref[-1] < ref[0] - 0.05  # the run really trains, so equality is not trivially about noise
+    a = torch.load(os.path.join(baseline, "model.pt"), weights_only=True)["model"]
+    b = gpt2.load_for_inference(os.path.join(out, "model.pt"), torch.device("cpu")).state_dict()
+    assert param_rel_diff(b, a) < 1e-3
+    assert "memory/rank" in proc.stdout and "comm/step" in proc.stdout
+
+
+def test_zero2_equivalence_fully_shard_and_invariants(baseline, shakespeare, tmp_path):
+    """2 ranks, ZeRO-2: the loss curve of gpt2.py train, fully_shard's parameters, 1/N slices, the
+    freeing in both modes, and the traffic formula."""
+    out = str(tmp_path / "zero2")
+    argv = [*TINY, "--data", shakespeare, "--batch-size", "4", "--out", out]
+    diff, ours, theirs, r = run_distributed(ours_vs_fully_shard, 2, argv, 0, timeout=240)[0]
+    ref = train_losses(baseline)
+    assert max_rel_diff(ours, ref) <= 1e-5, (ours, ref)
+    assert diff <= 1e-3 and max_rel_diff(ours, theirs) <= 1e-5, (diff, ours, theirs)
+    # a 32-wide tiny model over 2 ranks: every dim 0 divides, so the slices are exactly half
+    assert r["shard_numel"] * 2 == r["n_total"] and r["adam_numel"] == 2 * r["shard_numel"]
+    assert r["nothing_gathered_after_step"]
+    assert r["blocks_alive_after_forward_1"] == [0, 0] and r["root_alive_after_forward_1"]
+    assert all(b > 0 for b in r["blocks_alive_after_forward_0"]) and r["root_alive_after_forward_0"]
+    assert r["freed_after_backward_1"] and r["freed_after_backward_0"]
+    assert r["full_grads_dropped_1"] and r["full_grads_dropped_0"]
+    assert r["max_gathered_1"] == 2 and r["max_gathered_0"] == 2  # prefetch: this unit + the next
+    # traffic: ZeRO-2 = one fp32 gather of every unit + one fp32 reduce-scatter, (n-1)/n of the bytes,
+    # plus the two 4-byte all-reduces (grad norm, loss): exactly DDP's all-reduce volume
+    theory = (0.5 * 4 * r["n_total"] * 2 + 2 * 2 * 0.5 * 4) / 1e6
+    comm = [rec["comm_mb"] for rec in read_metrics(out) if "loss" in rec]
+    assert len(comm) == STEPS and all(abs(c - theory) < 1e-9 for c in comm), (comm, theory)
+
+
+def test_same_parameters_as_fully_shard_4_ranks(shakespeare, tmp_path):
+    """4 ranks, ZeRO-3, a 42-wide model so that biases, LayerNorms and c_attn rows need padding."""
+    out = str(tmp_path / "fs4")
+    argv = ["--model", "tiny", "--n-layer", "2", "--n-embd", "42", "--n-head", "2", "--seq-len", "16",
+            "--device", "cpu", "--dtype", "float32", "--eval-every", "0", "--warmup", "2", "--lr", "3e-3",
+            "--steps", "4", "--batch-size", "2", "--data", shakespeare, "--out", out]
+    diff, ours, theirs, r = run_distributed(ours_vs_fully_shard, 4, argv, 1, timeout=240)[0]
+    assert diff <= 1e-3, diff
+    assert max_rel_diff(ours, theirs) <= 1e-5 and ours[-1] < ours[0]
+    assert r["max_gathered_trained"] == 2
+
+
+def test_bad_input_fails_before_any_collective(shakespeare, monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    base = [*TINY, "--data", shakespeare, "--out", str(tmp_path)]
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        fsdp2.train(base + ["--seq-len", "999"])
+    with pytest.raises(ValueError, match="--grad-accum must be >= 1"):
+        fsdp2.train(base + ["--grad-accum", "0"])
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        fsdp2.train(base + ["--batch-size", "20000"])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit, match="torchrun"):
+        fsdp2.train(base)
+    assert not dist.is_initialized()
