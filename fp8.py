@@ -140,7 +140,7 @@ def fp8_matmul(a_fp8, a_scales, b_fp8, b_scales, out_dtype=torch.float32):
         raise ValueError(f"scales {tuple(a_scales.shape)} / {tuple(b_scales.shape)} do not fit a {tuple(a_fp8.shape)} "
                          f"and b {tuple(b_fp8.shape)} in 1x128 / 128x128 tiles")
     if a_fp8.is_cuda:
-        return _fp8_matmul_cuda(a_fp8, a_scales, b_fp8, b_scales, out_dtype)
+        return _fp8_matmul_scaled_mm(a_fp8, a_scales, b_fp8, b_scales, out_dtype)
     return _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales).to(out_dtype)
 
 
@@ -158,32 +158,33 @@ def _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales):
     return acc
 
 
-_blockwise_ok = None  # None: not tried yet on this process; False: this torch/cuBLAS/GPU lacks it
+_blockwise_ok = {}  # (device type, out dtype, b's tiling) -> whether block-scaled _scaled_mm ran here
 
 
 @torch.compiler.disable  # a try/except around a kernel choice is eager-mode code
-def _fp8_matmul_cuda(a_fp8, a_scales, b_fp8, b_scales, out_dtype):
-    """torch._scaled_mm computes (a * scale_a) @ (mat2 * scale_b) with a row-major, mat2 column-major.
+def _fp8_matmul_scaled_mm(a_fp8, a_scales, b_fp8, b_scales, out_dtype):
+    """The CUDA path (it also runs on CPU, where torch rejects block scales: the tests use that to check the
+    fallback). torch._scaled_mm computes (a * scale_a) @ (mat2 * scale_b), a row-major, mat2 column-major.
     Block scales (torch >= 2.9, cuBLAS >= 12.9, sm_90): scale_a (M, K/128) outer-dim-major (column-major),
     128x128 scale_b passed as the transpose of a contiguous (N/128, K/128), 1x128 scale_b as a contiguous
     (K/128, N). use_fast_accum=False keeps cuBLAS's fp32 promotion (section 3.3 'accumulation precision')."""
-    global _blockwise_ok
     M, K = a_fp8.shape
     N = b_fp8.size(0)
     b_fp8 = b_fp8.contiguous()  # so that mat2 = b^T is column-major (dgrad hands in W^T, a view)
-    if _blockwise_ok is not False:
-        per_row = b_scales.size(0) == N
+    per_row = b_scales.size(0) == N
+    key = (a_fp8.device.type, out_dtype, per_row)
+    if _blockwise_ok.get(key, True):
         scale_b = b_scales.t().contiguous() if per_row else b_scales.contiguous().t()
         try:
             out = torch._scaled_mm(a_fp8, b_fp8.t(), scale_a=a_scales.t().contiguous().t(), scale_b=scale_b,
                                    out_dtype=out_dtype, use_fast_accum=False)
-            _blockwise_ok = True
+            _blockwise_ok[key] = True
             return out
         except (RuntimeError, NotImplementedError, ValueError) as e:
-            if _blockwise_ok is None:  # never worked here: say so once, then always take the fallback
-                print0(f"fp8: block-scaled _scaled_mm unavailable ({str(e).splitlines()[0][:120]}); "
+            if key not in _blockwise_ok:  # never worked for this kind of call: say so once, then fall back
+                print0(f"fp8: block-scaled _scaled_mm unavailable for {key} ({str(e).splitlines()[0][:100]}); "
                        f"using one row-wise _scaled_mm per 128-wide K chunk")
-                _blockwise_ok = False
+                _blockwise_ok[key] = False
     # fallback: row-wise scales (scale_a (M,1), scale_b (1,N)) are exact within one K chunk; the CUTLASS
     # row-wise kernel returns bf16 partials, which we promote and sum in fp32 ourselves
     b_rows = _row_scales(b_scales, N)
@@ -227,16 +228,16 @@ class Fp8LinearFn(torch.autograd.Function):
             dy2 = dy.reshape(-1, N)
             # dgrad contracts over N: dy in 1x128 tiles along N, W^T = the forward's blocks transposed
             dy_fp8, dy_scales = quantize_1x128(dy2)
-            dx = fp8_matmul(dy_fp8, dy_scales, w_fp8.t(), w_scales.t())[:, :K]
+            dx = fp8_matmul(dy_fp8, dy_scales, w_fp8.t(), w_scales.t(), dy.dtype)[:, :K]
             # wgrad contracts over the tokens: both operands are re-cut into 1x128 tiles along the token
             # dim; x comes back from its saved fp8 copy (dequantize, transpose, requantize: section 3.5.2)
             x_hp = dequantize_1x128(x_fp8, x_scales, x2_shape)
             xt_fp8, xt_scales = quantize_1x128(x_hp.t())
             dyt_fp8, dyt_scales = quantize_1x128(dy2.t())
-            dw = fp8_matmul(dyt_fp8, dyt_scales, xt_fp8, xt_scales)
+            dw = fp8_matmul(dyt_fp8, dyt_scales, xt_fp8, xt_scales, dy.dtype)  # bf16 under autocast, as nn.Linear
             db = dy2.float().sum(0) if ctx.has_bias else None
         x_dtype, w_dtype = ctx.dtypes
-        return dx.view(x_shape).to(x_dtype), dw.to(w_dtype), None if db is None else db.to(w_dtype)
+        return dx.reshape(x_shape).to(x_dtype), dw.to(w_dtype), None if db is None else db.to(w_dtype)
 
 
 class Fp8Linear(nn.Linear):

@@ -112,6 +112,22 @@ def test_fp8_matmul_vs_fp64(M, K, N):
         fp8.fp8_matmul(aq, sa[:, :1], bq, sb)
 
 
+def test_scaled_mm_path_matches_emulation(monkeypatch):
+    """The GPU code path, run on CPU: torch rejects block scales there, so this checks the fallback (one
+    row-wise _scaled_mm per 128-wide K chunk, bf16 partials summed in fp32) in the three orientations of
+    Fp8Linear: forward (128x128 b), dgrad (b = W^T, a transposed view), wgrad (1x128 b along tokens)."""
+    monkeypatch.setattr(fp8, "_blockwise_ok", {})
+    torch.manual_seed(0)
+    x, w, dy = torch.randn(200, 300), torch.randn(72, 300), torch.randn(200, 72)
+    (xq, xs), (wq, ws), (dyq, dys) = fp8.quantize_1x128(x), fp8.quantize_128x128(w), fp8.quantize_1x128(dy)
+    (dytq, dyts), (xtq, xts) = fp8.quantize_1x128(dy.t()), fp8.quantize_1x128(x.t())
+    for a, sa, b, sb in ((xq, xs, wq, ws), (dyq, dys, wq.t(), ws.t()), (dytq, dyts, xtq, xts)):
+        got = fp8._fp8_matmul_scaled_mm(a, sa, b, sb, torch.float32)
+        want = fp8._fp8_matmul_emulated(a, sa, b, sb)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert rel_err(got, want) < 5e-3
+
+
 def test_fp8_linear_gradients_vs_fp32_linear():
     """Bounds: output and dgrad < 5% (one e4m3 rounding per operand), wgrad < 6% (x is quantized twice:
     1x128 along channels in forward, re-cut along tokens for wgrad), bias grad exact (high precision)."""
