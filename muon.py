@@ -178,8 +178,7 @@ class Muon:
         lr = self.lr if lr is None else lr
         for i in self.mine:
             p, k, g = self.params[i], self.parts[i], self._view(self.own, i)
-            if clip_coef != 1.0:
-                g.mul_(clip_coef)
+            g.mul_(clip_coef)
             # Nesterov momentum as an EMA (same update direction as M = mu M + g, g + mu M; NS removes the scale)
             buf = self.momentum_buf[i]
             buf.lerp_(g, 1 - self.momentum)
@@ -231,7 +230,7 @@ def clip_coefficient(muon, adamw_params, max_norm, world, comm):
         dist.all_reduce(sq)
         comm.all_reduce(sq.element_size(), world)
     sq = sq + sum(p.grad.float().square().sum() for p in adamw_params)
-    return min(1.0, max_norm / (sq.sqrt().item() + 1e-6))
+    return (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)  # a tensor: no GPU->CPU sync inside the step
 
 
 def split_params(model, optimizer):
@@ -337,8 +336,9 @@ def main(argv=None):
         if muon:
             muon.reduce_scatter_grads()
         loss_sum = all_reduce_grads(adamw_params, loss_sum, ctx.world, comm)
-        clip = clip_coefficient(muon, adamw_params, args.grad_clip, ctx.world, comm) if args.grad_clip > 0 else 1.0
-        if clip != 1.0:
+        clip = 1.0
+        if args.grad_clip > 0:
+            clip = clip_coefficient(muon, adamw_params, args.grad_clip, ctx.world, comm)
             torch._foreach_mul_([p.grad for p in adamw_params], clip)
         adamw.step()
         if muon:
