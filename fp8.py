@@ -2,15 +2,16 @@
 fp8.py - fine-grained (tile-scaled) fp8 matmuls and fp8 training of GPT-2, checked against the baseline.
 
 The idea: fp8 e4m3 keeps 3 mantissa bits and a range of only 2^-9..448, so a tensor must be scaled into
-that range before the cast. One scale per tensor lets a single outlier push every other value into the
-subnormals; DeepSeek-V3 (tech report section 3.3) instead gives every 1x128 tile of an activation and every
-128x128 block of a weight its own scale (amax/448, computed online each step). A matmul then cannot use one
-scale for the whole product, so K is cut into 128-wide chunks: the tensor core multiplies a chunk in fp8, the
-partial sum is promoted to fp32, multiplied by that chunk's two scales and accumulated in fp32 (which also
-sidesteps the ~14-bit accumulator of Hopper's fp8 tensor cores). The four Linear layers of every block run
-this way in forward (x @ W^T), dgrad (dy @ W) and wgrad (dy^T @ x); the master weights, the optimizer,
-embeddings, LayerNorm, attention and the head stay in high precision. `--fp8 off` is the identical run
-without it: an fp8 loss curve means something only next to that baseline.
+that range before the cast. With one scale per tensor, a single outlier some 10^4-10^5x the typical value
+(e4m3's normal range spans 2^15) pushes every other value into the few subnormals; DeepSeek-V3 (tech
+report section 3.3) instead gives every 1x128 tile of an activation and every 128x128 block of a weight its
+own scale (amax/448, computed online each step). A matmul then cannot use one scale for the whole product,
+so K is cut into 128-wide chunks: the tensor core multiplies a chunk in fp8, the partial sum is promoted to
+fp32, multiplied by that chunk's two scales and accumulated in fp32 (which also sidesteps the ~14-bit
+accumulator of Hopper's fp8 tensor cores). The four Linear layers of every block run this way in forward
+(x @ W^T), dgrad (dy @ W) and wgrad (dy^T @ x); the master weights, the optimizer, embeddings, LayerNorm,
+attention and the head stay in high precision. `--fp8 off` is the identical run without it: an fp8 loss
+curve means something only next to that baseline.
 
     forward  y  = x @ W^T      x: 1x128 tiles along K        W: 128x128 blocks
     dgrad    dx = dy @ W       dy: 1x128 tiles along N       W^T: the same blocks, transposed (no requant)
@@ -31,7 +32,7 @@ Launch:
     torchrun --nproc_per_node=2 fp8.py --fp8 off --device cpu --steps 60 --seq-len 64 --out out/fp8
     torchrun --nproc_per_node=2 fp8.py --fp8 on  --device cpu --steps 60 --seq-len 64 --out out/fp8
         -> the second run draws out/fp8/fp8_vs_baseline.png and prints the final-loss gap
-    torchrun --nproc_per_node=8 fp8.py --fp8 on --model gpt2 --data data/fineweb10B --batch-size 16 --seq-len 1024
+    torchrun --nproc_per_node=8 fp8.py --fp8 on --model gpt2 --data data/fineweb10B --batch-size 16 --seq-len 1024 --grad-accum 4
     python tests/bench_fp8.py          # fp8 vs bf16 GEMM TFLOP/s on a GPU; emulation accuracy on CPU
 
 On CPU the fp8 GEMM is an exact emulation (fp8 values, per-chunk fp32 promotion); on CUDA (sm_89+) it is
