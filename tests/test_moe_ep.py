@@ -1,0 +1,225 @@
+"""moe_ep.py: dispatch/combine, the all-to-all gradient, capacity, balancing, and loss curves equal to one process."""
+import argparse
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import gpt2
+import moe_ep
+from harness import max_rel_diff, read_metrics, run_cli, run_distributed, train_losses
+
+CFG = gpt2.GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=16)
+COMMON = ["--model", "tiny", "--n-layer", "2", "--n-embd", "32", "--seq-len", "32", "--steps", "10",
+          "--lr", "3e-3", "--warmup", "2", "--eval-every", "5", "--eval-steps", "2", "--device", "cpu",
+          "--dtype", "float32", "--experts", "4", "--top-k", "2", "--capacity-factor", "0"]
+# sigmoid gates + shared expert + aux-loss-free bias (fast, so that it changes routing within the run) + 2 micro-steps
+DEEPSEEK = ["--gate", "sigmoid", "--shared-expert", "--balance", "bias", "--bias-rate", "0.01", "--grad-accum", "2",
+            "--steps", "6"]
+
+
+@pytest.fixture(scope="module")
+def bigram_data(tmp_path_factory):
+    """Tokens from a 256-token Markov chain: unlike uniform noise a model learns it in a few steps, so the
+    loss curves compared below move (uniform random tokens leave the loss flat at log 50257)."""
+    out = str(tmp_path_factory.mktemp("bigram"))
+    rng = np.random.default_rng(0)
+    for name, n in (("train_000000.bin", 20_000), ("val_000000.bin", 5_000)):
+        t = np.zeros(n, dtype=np.int64)
+        for i in range(1, n):
+            t[i] = (t[i - 1] * 7 + rng.integers(0, 4)) % 256
+        gpt2.write_shard(os.path.join(out, name), t)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These tensors are tiny: intra-op threads would only spin against the spawned ranks (and other tests)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def layer_args(**kw):
+    a = dict(experts=4, ep=1, top_k=2, gate="softmax", capacity_factor=0.0, seed=0, shared_expert=False)
+    return argparse.Namespace(**{**a, **kw})
+
+
+def moe_layer(ep_rank=0, group=None, **kw):
+    return moe_ep.MoE(CFG, layer_args(**kw), 0, gpt2.GPT(CFG)._init_weights, ep_rank, group)
+
+
+# -- single process ---------------------------------------------------------------------------------------
+
+def test_bad_arguments_fail_before_any_collective(monkeypatch, tmp_path):
+    base = ["--out", str(tmp_path), "--device", "cpu"]
+    with pytest.raises(ValueError, match="--experts 6 is not divisible by --ep 4"):
+        moe_ep.train(base + ["--experts", "6", "--ep", "4"])
+    with pytest.raises(ValueError, match="--top-k 5"):
+        moe_ep.train(base + ["--experts", "4", "--top-k", "5"])
+    monkeypatch.setenv("WORLD_SIZE", "3")  # no process group exists: reaching a collective would fail differently
+    with pytest.raises(ValueError, match="world size 3 is not divisible by --ep 2"):
+        moe_ep.train(base + ["--experts", "4", "--ep", "2"])
+    assert not dist.is_initialized()
+
+
+def test_capacity_drops_exactly_the_overflow():
+    g = torch.Generator().manual_seed(0)
+    N, k, E, cap = 10, 2, 4, 3
+    x = torch.randn(N, 5, generator=g)
+    idx = torch.tensor([0, 0, 1, 0, 0, 2, 0, 1, 3, 3] + [1, 1, 1, 1, 0, 3, 2, 2, 2, 0])  # choice-major
+    recv, plan = moe_ep.dispatch_tokens(x, idx, E, cap, None, moe_ep.A2AMeter())
+    routed = torch.bincount(idx, minlength=E)
+    assert plan.routed.tolist() == routed.tolist() == [7, 6, 4, 3]
+    assert plan.kept.tolist() == [3, 3, 3, 3] and recv.size(0) == 12  # 8 dropped = sum of max(0, routed - cap)
+    # priority: first choices, then earlier tokens; for expert 0 that is assignments 0, 1, 3 (its first
+    # choices at tokens 0, 1, 3); its first choices at tokens 4, 6 and its second choices overflow
+    kept = set(plan.order.tolist())
+    for e in range(E):
+        mine = [a for a in range(k * N) if idx[a] == e]
+        assert [a for a in mine if a in kept] == mine[:cap]
+    back = moe_ep.combine_tokens(recv, plan)  # identity experts: every kept assignment gets its token back
+    for a in range(k * N):
+        assert torch.equal(back[a], x[a % N] if a in kept else torch.zeros(5))
+    # through the layer: a token whose every choice was dropped leaves the MoE as exactly zero (residual only)
+    layer = moe_layer(capacity_factor=0.5).train()
+    h = torch.randn(1, 16, 16, generator=g)
+    out = layer(h)
+    cap = layer.capacity(16)
+    assert cap == 4 and layer.stats["kept"].tolist() == layer.stats["routed"].clamp(max=cap).tolist()
+    assert layer.stats["kept"].sum() < layer.stats["routed"].sum() == 32
+    _, _, ids, _ = layer.route(h.view(16, 16))
+    _, plan = moe_ep.dispatch_tokens(h.view(16, 16), ids.t().reshape(-1), 4, cap, None, moe_ep.A2AMeter())
+    all_dropped = [t for t in range(16) if t not in set((plan.order % 16).tolist())]
+    assert all_dropped and all(out[0, t].abs().max() == 0 for t in all_dropped)
+
+
+def test_aux_loss_free_bias_balances_a_skewed_router():
+    """DeepSeek-V3's bias on a frozen router that sends most tokens to experts 0 and 1."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(4, 64, 16, generator=g) + 0.5
+    result = {}
+    for balance in ("none", "bias"):
+        layer = moe_layer(experts=8, gate="sigmoid").train()
+        with torch.no_grad():
+            layer.router.weight.copy_(torch.randn(8, 16, generator=torch.Generator().manual_seed(0)) * 0.3)
+            layer.router.weight[0] += 0.6
+            layer.router.weight[1] += 0.4
+        ratios = []
+        for _ in range(150):
+            with torch.no_grad():
+                layer(h)
+            load = layer.stats["routed"].float()
+            ratios.append((load.max() / load.mean()).item())
+            if balance == "bias":
+                moe_ep.update_bias([layer], load[None], 1e-2)
+        result[balance] = (ratios[0], sum(ratios[-20:]) / 20)
+    assert result["none"][0] == result["bias"][0] > 3.5  # the same skew to begin with: 3.6x the mean
+    assert result["none"][1] > 3.5  # nothing changes without balancing
+    assert result["bias"][1] < 1.6  # the bias alone pulls it to ~1.4x, gradients untouched
+
+
+# -- several processes: the all-to-all, dispatch/combine and the layer against one-process references -----------
+
+def _ep_checks(rank, world):
+    out = {}
+    E, N, D, k = 2 * world, 6, 3, 2  # two experts per rank: received rows must be regrouped by expert
+    gens = [torch.Generator().manual_seed(10 + r) for r in range(world)]  # every rank knows every rank's data
+    xs = [torch.randn(N, D, generator=g) for g in gens]
+    idxs = [torch.randint(0, E, (k * N,), generator=g) for g in gens]
+    x, idx, meter = xs[rank], idxs[rank], moe_ep.A2AMeter()
+    # 1) dispatch: I receive, from each source in rank order, its rows for my experts sorted by expert
+    recv, plan = moe_ep.dispatch_tokens(x, idx, E, None, dist.group.WORLD, meter)
+    want = [xs[r][a % N] for r in range(world) for e in (2 * rank, 2 * rank + 1) for a in range(k * N) if idxs[r][a] == e]
+    out["recv_ok"] = torch.equal(recv, torch.stack(want))
+    remote = int((idx // 2 != rank).sum())  # assignments whose expert lives on another rank
+    out["bytes_ok"] = meter.bytes == remote * D * 4 + (world - 1) * 2 * 8  # their rows + the int64 counts
+    # 2) combine(dispatch(x)) with identity experts puts every token back in its place, with and without capacity
+    for cap in (None, 2):
+        recv, plan = moe_ep.dispatch_tokens(x, idx, E, cap, dist.group.WORLD, meter)
+        back = moe_ep.combine_tokens(recv, plan)
+        kept = set(plan.order.tolist())
+        out[f"roundtrip_{cap}"] = all(torch.equal(back[a], x[a % N] if a in kept else torch.zeros(D)) for a in range(k * N))
+    # 3) the all-to-all's gradient vs one process doing the same permutation, and vs PyTorch's own
+    import torch.distributed._functional_collectives as funcol
+    splits = torch.randint(0, 4, (world, world), generator=torch.Generator().manual_seed(5))
+    splits[0, 1] = 0  # an empty message
+    splits = splits.tolist()  # splits[src][dst]
+    rows = [torch.randn(sum(s), D, generator=g) for s, g in zip(splits, gens)]
+    ws = [torch.randn(sum(splits[s][d] for s in range(world)), D, generator=g) for d, g in enumerate(gens)]
+    recv_splits = [splits[s][rank] for s in range(world)]
+    mine = rows[rank].clone().requires_grad_()
+    y = moe_ep.AllToAll.apply(mine, splits[rank], recv_splits, dist.group.WORLD, meter)
+    (y * ws[rank]).sum().backward()
+    ref_in = [r.clone().requires_grad_() for r in rows]
+    chunks = [list(r.split(s)) for r, s in zip(ref_in, splits)]
+    sum((torch.cat([chunks[s][d] for s in range(world)]) * ws[d]).sum() for d in range(world)).backward()
+    out["a2a_grad_err"] = (mine.grad - ref_in[rank].grad).abs().max().item()
+    theirs = rows[rank].clone().requires_grad_()
+    yt = funcol.all_to_all_single_autograd(theirs, recv_splits, splits[rank], dist.group.WORLD)
+    (yt * ws[rank]).sum().backward()
+    out["vs_torch"] = (torch.equal(y.detach(), yt.detach()), torch.equal(mine.grad, theirs.grad))
+    # 4) the MoE layer with EP=world vs the full layer in one process on the global batch: outputs and gradients
+    full = moe_layer(experts=E)
+    ep_layer = moe_layer(experts=E, ep=world, ep_rank=rank, group=dist.group.WORLD)
+    hs = [torch.randn(2, 8, 16, generator=g) for g in gens]
+    ref = full(torch.cat(hs))
+    ref.square().sum().backward()
+    y = ep_layer(hs[rank])
+    y.square().sum().backward()
+    out["layer_out_err"] = (y - ref[2 * rank:2 * rank + 2]).abs().max().item()
+    dist.all_reduce(ep_layer.router.weight.grad)  # data-parallel router: the sum over ranks is the global batch
+    errs = [(ep_layer.router.weight.grad - full.router.weight.grad).abs().max().item()]
+    for mine_e, ref_e in zip(ep_layer.experts, full.experts[2 * rank:2 * rank + 2]):  # grads came by the backward a2a
+        errs += [(p.grad - q.grad).abs().max().item() for p, q in zip(mine_e.parameters(), ref_e.parameters())]
+        assert all(torch.equal(p, q) for p, q in zip(mine_e.parameters(), ref_e.parameters()))  # same init
+    out["layer_grad_err"] = max(errs)
+    return out
+
+
+def _checks_then_train(rank, world, runs):
+    out = _ep_checks(rank, world)
+    for argv in runs:
+        moe_ep.train(argv)
+    return out
+
+
+def test_expert_parallel_equals_one_process(bigram_data, tmp_path):
+    """The unit checks on 4 ranks, then the loss curves: EP=2 on 2 ranks (torchrun, the CLI), EP=2 x DP=2 and
+    EP=4 on 4 ranks, and the DeepSeek-style variant with EP=2 x DP=2, each against one process."""
+    common = COMMON + ["--data", bigram_data]
+    o = {name: str(tmp_path / name) for name in ("ref", "ep2", "ep2dp2", "ep4", "ds_ref", "ds_ep2dp2")}
+    moe_ep.train(common + ["--ep", "1", "--batch-size", "8", "--out", o["ref"]])
+    moe_ep.train(common + DEEPSEEK + ["--ep", "1", "--batch-size", "8", "--out", o["ds_ref"]])
+    run_cli(["moe_ep.py"] + common + ["--ep", "2", "--batch-size", "4", "--out", o["ep2"]], nproc=2)
+    checks = run_distributed(_checks_then_train, 4, [
+        common + ["--ep", "2", "--batch-size", "2", "--out", o["ep2dp2"]],
+        common + ["--ep", "4", "--batch-size", "2", "--out", o["ep4"]],
+        common + DEEPSEEK + ["--ep", "2", "--batch-size", "2", "--out", o["ds_ep2dp2"]]], timeout=300)
+    for r in checks:
+        assert r["recv_ok"] and r["bytes_ok"] and r["roundtrip_None"] and r["roundtrip_2"], r
+        assert r["a2a_grad_err"] == 0 and r["vs_torch"] == (True, True), r
+        assert r["layer_out_err"] < 1e-6 and r["layer_grad_err"] < 1e-5, r
+    base = read_metrics(o["ref"])
+    losses = train_losses(o["ref"])
+    assert losses[-1] < losses[0] - 0.3, losses  # it trains: the comparison is not between frozen models
+    col = lambda recs, key: [r[key] for r in recs if key in r]
+    for name in ("ep2", "ep2dp2", "ep4"):
+        recs = read_metrics(o[name])
+        assert max_rel_diff(col(recs, "loss"), losses) <= 1e-5, (name, col(recs, "loss"), losses)
+        assert max_rel_diff(col(recs, "val_loss"), col(base, "val_loss")) <= 1e-5
+        assert max_rel_diff(col(recs, "aux_loss"), col(base, "aux_loss")) <= 1e-4
+        assert col(recs, "expert_load") == col(base, "expert_load")  # identical routing, token for token
+    # sigmoid gates, shared expert, aux-loss-free bias and 2 micro-steps: the same equality
+    ds_ref, ds = read_metrics(o["ds_ref"]), read_metrics(o["ds_ep2dp2"])
+    assert max_rel_diff(col(ds, "loss"), col(ds_ref, "loss")) <= 1e-5, (col(ds, "loss"), col(ds_ref, "loss"))
+    assert col(ds, "expert_load") == col(ds_ref, "expert_load") and col(ds, "aux_loss")[0] > 0  # z-loss only
+    # the log, the heatmap, and the measured all-to-all bytes against the uniform-routing closed form
+    assert os.path.getsize(os.path.join(o["ep2"], "expert_load.png")) > 5000
+    steps = [r for r in read_metrics(o["ep2"]) if "loss" in r]
+    assert all(r["drop_rate"] == 0 and len(r["expert_load"]) == 2 and len(r["expert_load"][0]) == 4 for r in steps)
+    assert all(r["a2a_mb"] == 0 for r in base if "loss" in r) and all(r["a2a_mb"] > 0 for r in steps)
+    assert all(0.7 < r["a2a_mb"] / r["a2a_mb_theory"] < 1.3 for r in steps), [(r["a2a_mb"], r["a2a_mb_theory"]) for r in steps]
