@@ -294,21 +294,26 @@ def global_mean(t, world, comm: gpt2.CommMeter):
 def compare_with_baseline(args, records, mode):
     """Keep this run's curve as OUT/metrics_fp8_<mode>.jsonl; once both modes exist in OUT, print the
     final-loss gap and draw OUT/fp8_vs_baseline.png."""
-    mine = [(r["step"], r["loss"]) for r in records if "loss" in r]
     with open(os.path.join(args.out, f"metrics_fp8_{mode}.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-    other_path = os.path.join(args.out, f"metrics_fp8_{'off' if mode == 'on' else 'on'}.jsonl")
+    other_mode = "off" if mode == "on" else "on"
+    other_path = os.path.join(args.out, f"metrics_fp8_{other_mode}.jsonl")
     if not os.path.exists(other_path):
-        print0(f"run the same command with --fp8 {'off' if mode == 'on' else 'on'} --out {args.out} to compare")
+        print0(f"run the same command with --fp8 {other_mode} --out {args.out} to compare")
         return None
     with open(other_path) as f:
-        other = [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
-    on, off = (mine, other) if mode == "on" else (other, mine)
+        other = [json.loads(line) for line in f]
+    on_recs, off_recs = (records, other) if mode == "on" else (other, records)
+    on, off = ([(r["step"], r["loss"]) for r in recs if "loss" in r] for recs in (on_recs, off_recs))
     if not on or not off or on[-1][0] != off[-1][0]:
         print0(f"{other_path} is a run of a different length: not compared")
         return None
     gap = (on[-1][1] - off[-1][1]) / off[-1][1]
-    print0(f"final loss: fp8 {on[-1][1]:.4f} | baseline {off[-1][1]:.4f} | gap {100 * gap:+.2f}%")
+    print0(f"final train loss: fp8 {on[-1][1]:.4f} | baseline {off[-1][1]:.4f} | gap {100 * gap:+.2f}%")
+    val_on, val_off = ([r["val_loss"] for r in recs if "val_loss" in r] for recs in (on_recs, off_recs))
+    if val_on and val_off:
+        print0(f"final val loss:   fp8 {val_on[-1]:.4f} | baseline {val_off[-1]:.4f} | "
+               f"gap {100 * (val_on[-1] - val_off[-1]) / val_off[-1]:+.2f}%")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
