@@ -33,10 +33,15 @@ along the sequence, so its activations shrink by TP too.
         loss:   logits_r = f(ln_f(x)) @ wte_r^T (B,T,V/t); all-reduce max, then all-reduce
                 [sum exp, target logit]: loss = log sum exp - target; the 47 pad ids are -inf
 
+    activations one block keeps for backward on a rank, in units of B*T*E values (no dropout here):
+        TP       4 + 13/t   LayerNorm inputs and the gathered c_attn/c_fc inputs are whole, the rest cut
+        TP + SP  2 + 15/t   LayerNorm inputs cut along T (Megatron also drops the gathered inputs and
+                            all-gathers them again in backward, reaching 17/t; not done here)
+
 Launch:
     torchrun --nproc_per_node=2 tensor_parallel.py --tp 2                       # CPU gloo, tiny model
     torchrun --nproc_per_node=2 tensor_parallel.py --tp 2 --sequence-parallel
-    torchrun --nproc_per_node=4 tensor_parallel.py --tp 2 --batch-size 4        # TP=2 x DP=2
+    torchrun --nproc_per_node=4 tensor_parallel.py --tp 2 --batch-size 4        # TP=2 x DP=2, global batch 8
     torchrun --nproc_per_node=8 tensor_parallel.py --model gpt2 --data data/fineweb10B --tp 4 \
         --sequence-parallel --batch-size 16 --seq-len 1024 --grad-accum 16 --compile   # 8 GPUs: TP=4 x DP=2
 
@@ -178,7 +183,7 @@ class ReduceScatterSequence(torch.autograd.Function):
 
 def enter_tp(x, grid):
     """Into a column-parallel matmul. Under autocast the matmul would cast to bf16 anyway: cast first,
-    so the all-gather (and its reduce-scatter in backward) moves half the bytes."""
+    so f's communication (forward all-gather, backward all-reduce or reduce-scatter) moves bf16."""
     if grid.tp == 1:
         return x
     if torch.is_autocast_enabled(x.device.type):
@@ -197,31 +202,43 @@ def exit_tp(x, grid):
 # Parallel layers, cut out of the full (identically seeded) gpt2 model
 
 
-def shard_rows(w, grid, pieces=1):
-    """This rank's 1/t of dim 0. `pieces` packed blocks (c_attn's q, k, v) are each cut separately, so
-    rank r gets [q_r; k_r; v_r] and gpt2's attention splits them with the same chunk(3)."""
+def shard(w, grid, dim=0, pieces=1):
+    """This rank's 1/t of dimension `dim`. `pieces` packed blocks (c_attn's q, k, v) are each cut
+    separately, so rank r gets [q_r; k_r; v_r] and gpt2's attention splits them with the same chunk(3)."""
+    w = w.movedim(dim, 0)
     blocks = w.reshape(pieces, w.size(0) // pieces, *w.shape[1:])
     n = blocks.size(1) // grid.tp
-    return blocks[:, grid.tp_rank * n:(grid.tp_rank + 1) * n].reshape(-1, *w.shape[1:]).clone()
+    return blocks[:, grid.tp_rank * n:(grid.tp_rank + 1) * n].reshape(-1, *w.shape[1:]).movedim(0, dim).clone()
+
+
+def unshard(w, grid, dim=0, pieces=1):
+    """The inverse of shard: all-gather the TP group's slices into the full tensor."""
+    w = w.detach().movedim(dim, 0).contiguous()
+    out = torch.empty((grid.tp * w.size(0),) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
+    all_gather_single(out, w, group=grid.tp_group) if grid.tp > 1 else out.copy_(w)
+    out = out.reshape(grid.tp, pieces, w.size(0) // pieces, *w.shape[1:]).transpose(0, 1)
+    return out.reshape(-1, *w.shape[1:]).movedim(0, dim)
+
+
+def split_param(t, grid, dim=0, pieces=1):
+    """A parameter holding this rank's shard; tp_split remembers how to put the full tensor back."""
+    p = nn.Parameter(shard(t.detach(), grid, dim, pieces))
+    p.tp_split = (dim, pieces)
+    return p
 
 
 def column_parallel(linear: nn.Linear, grid, pieces=1) -> nn.Linear:
     """Y_r = X W_r^T + b_r: the output features of rank r. Its input must come through enter_tp."""
-    out = nn.Linear(linear.in_features, linear.out_features // grid.tp, device=linear.weight.device)
-    with torch.no_grad():
-        out.weight.copy_(shard_rows(linear.weight, grid, pieces))
-        out.bias.copy_(shard_rows(linear.bias, grid, pieces))
-    out.weight.tp_sharded = out.bias.tp_sharded = True
+    out = nn.Linear(linear.in_features, linear.out_features // grid.tp, device="meta")
+    out.weight, out.bias = split_param(linear.weight, grid, 0, pieces), split_param(linear.bias, grid, 0, pieces)
     return out
 
 
 def row_parallel(linear: nn.Linear, grid):
     """Y = sum_r X_r W_r^T + b: rank r multiplies its input features and returns a partial sum (no bias;
     the bias is added once, after exit_tp). Returns the local nn.Linear and the replicated bias."""
-    out = nn.Linear(linear.in_features // grid.tp, linear.out_features, bias=False, device=linear.weight.device)
-    with torch.no_grad():
-        out.weight.copy_(shard_rows(linear.weight.t(), grid).t())
-    out.weight.tp_sharded = True
+    out = nn.Linear(linear.in_features // grid.tp, linear.out_features, bias=False, device="meta")
+    out.weight = split_param(linear.weight, grid, dim=1)
     return out, nn.Parameter(linear.bias.detach().clone())
 
 
@@ -297,8 +314,7 @@ class TensorParallelGPT(nn.Module):
         super().__init__()
         self.config, self.grid = full.config, grid
         self.activation_checkpointing = full.activation_checkpointing
-        self.wte = nn.Parameter(shard_rows(full.wte.weight.detach(), grid))  # embedding AND head
-        self.wte.tp_sharded = True
+        self.wte = split_param(full.wte.weight, grid)  # the embedding AND the head
         self.wpe, self.ln_f = full.wpe, full.ln_f
         self.h = nn.ModuleList(ParallelBlock(b, grid) for b in full.h)
 
@@ -324,28 +340,12 @@ class TensorParallelGPT(nn.Module):
 
     def full_state_dict(self):
         """gpt2.GPT's state dict, all-gathered over the TP group (so `gpt2.py sample` can load it)."""
-        g, sd = self.grid, {}
-
-        def gather_rows(w, pieces=1):  # inverse of shard_rows
-            out = torch.empty((g.tp * w.size(0),) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
-            all_gather_single(out, w.detach().contiguous(), group=g.tp_group) if g.tp > 1 else out.copy_(w)
-            out = out.reshape(g.tp, pieces, w.size(0) // pieces, *w.shape[1:]).transpose(0, 1)
-            return out.reshape(-1, *w.shape[1:]).cpu()
-
-        sd["wte.weight"] = sd["lm_head.weight"] = gather_rows(self.wte)
-        sd["wpe.weight"] = self.wpe.weight.detach().cpu()
-        for i, b in enumerate(self.h):
-            p = f"h.{i}."
-            for name, ln in (("ln_1", b.ln_1), ("ln_2", b.ln_2)):
-                sd[p + name + ".weight"], sd[p + name + ".bias"] = ln.weight.detach().cpu(), ln.bias.detach().cpu()
-            sd[p + "attn.c_attn.weight"] = gather_rows(b.attn.c_attn.weight, 3)
-            sd[p + "attn.c_attn.bias"] = gather_rows(b.attn.c_attn.bias, 3)
-            sd[p + "attn.c_proj.weight"] = gather_rows(b.attn.c_proj.weight.t()).t().contiguous()
-            sd[p + "attn.c_proj.bias"] = b.attn_bias.detach().cpu()
-            sd[p + "mlp.c_fc.weight"], sd[p + "mlp.c_fc.bias"] = gather_rows(b.mlp.c_fc.weight), gather_rows(b.mlp.c_fc.bias)
-            sd[p + "mlp.c_proj.weight"] = gather_rows(b.mlp.c_proj.weight.t()).t().contiguous()
-            sd[p + "mlp.c_proj.bias"] = b.mlp_bias.detach().cpu()
-        sd["ln_f.weight"], sd["ln_f.bias"] = self.ln_f.weight.detach().cpu(), self.ln_f.bias.detach().cpu()
+        sd = {}
+        for name, p in self.named_parameters():
+            name = name.replace("attn_bias", "attn.c_proj.bias").replace("mlp_bias", "mlp.c_proj.bias")
+            full = unshard(p, self.grid, *p.tp_split) if hasattr(p, "tp_split") else p.detach()
+            sd[name if "." in name else name + ".weight"] = full.cpu()  # our wte is a bare Parameter
+        sd["lm_head.weight"] = sd["wte.weight"]
         return sd
 
 
@@ -359,7 +359,7 @@ def sync_grads(model, grid):
     one flat bucket. Without SP the replicated grads are already identical across TP."""
     params = [p for p in model.parameters() if p.grad is not None]
     if grid.sequence_parallel and grid.tp > 1:
-        replicated = [p.grad for p in params if not getattr(p, "tp_sharded", False)]
+        replicated = [p.grad for p in params if not hasattr(p, "tp_split")]
         flat = all_reduce(torch.cat([g.reshape(-1) for g in replicated]), grid)
         torch._foreach_copy_(replicated, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in replicated]), replicated)])
     if grid.dp > 1:
@@ -372,7 +372,7 @@ def clip_grad_norm(model, grid, max_norm):
     """The GLOBAL norm: sharded grads add their squares over TP, replicated ones count once, so they are
     divided by t before the one all-reduce. Then scale as torch.nn.utils.clip_grad_norm_ does."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    sq = torch.stack([torch.linalg.vector_norm(p.grad.float()) ** 2 / (1 if getattr(p, "tp_sharded", False) else grid.tp)
+    sq = torch.stack([torch.linalg.vector_norm(p.grad.float()) ** 2 / (1 if hasattr(p, "tp_split") else grid.tp)
                       for p in model.parameters() if p.grad is not None]).sum()
     norm = all_reduce(sq, grid).sqrt()
     torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
@@ -384,12 +384,13 @@ def clip_grad_norm(model, grid, max_norm):
 
 
 def comm_bytes_closed_form(cfg, args, grid, act_bytes, n_local_params):
-    """Bytes one rank sends per optimizer step (ring algorithms, gpt2.CommMeter). Per micro-step: 4
-    all-reduces of a (B,T,E) activation per block (f and g, forward and backward), one for the embedding (fp32), one for the head
-    input, and the loss statistics (N fp32 maxima, then 2N). With SP each becomes an all-gather plus a
-    reduce-scatter: the same bytes. Per step: the SP grads over TP, all grads over DP, norm, loss.
-    Activation checkpointing recomputes a block only up to its last saved tensor (the input of the MLP's
-    c_proj), so the MLP's g is not repeated: 1 extra all-reduce per block, or 3 half-size SP ops."""
+    """Bytes one rank sends per optimizer step (ring algorithms, as gpt2.CommMeter counts them).
+    Per micro-step: 4 all-reduces of a (B,T,E) activation per block (f and g, forward and backward), one
+    for the embedding (fp32), one for the head input, and the loss statistics (N fp32 maxima, then 2N).
+    With SP each all-reduce becomes an all-gather plus a reduce-scatter: the same bytes. Activation
+    checkpointing recomputes a block only up to its last saved tensor (the MLP's c_proj input), so the
+    MLP's g is not repeated: 1 extra all-reduce per block, or 3 half-size ops with SP. Per step: the SP
+    grads over TP, every grad over DP, the grad norm and the loss."""
     t, d, E, L = grid.tp, grid.dp, cfg.n_embd, cfg.n_layer
     ar = lambda nbytes, n: 2 * (n - 1) / n * nbytes
     N = args.batch_size * args.seq_len

@@ -41,10 +41,10 @@ def _layers(rank, world):
         col = tp.column_parallel(ref, grid, pieces=3)
         xl = x[:, seq].clone().requires_grad_()
         y = col(tp.enter_tp(xl, grid))
-        (y * tp.shard_rows(gy.transpose(0, 2), grid, pieces=3).transpose(0, 2)).sum().backward()
-        out[f"column_out_sp{sp}"] = diff(y, tp.shard_rows(y_full.detach().transpose(0, 2), grid, 3).transpose(0, 2))
+        (y * tp.shard(gy, grid, 2, 3)).sum().backward()
+        out[f"column_out_sp{sp}"] = diff(y, tp.shard(y_full.detach(), grid, 2, 3))
         out[f"column_dx_sp{sp}"] = diff(xl.grad, xf.grad[:, seq])
-        out[f"column_dw_sp{sp}"] = diff(col.weight.grad, tp.shard_rows(ref.weight.grad, grid, 3))
+        out[f"column_dw_sp{sp}"] = diff(col.weight.grad, tp.shard(ref.weight.grad, grid, 0, 3))
         ref.zero_grad()
 
         # row-parallel c_fc->c_proj: the local matmul then g, bias once
@@ -62,7 +62,7 @@ def _layers(rank, world):
             tp.all_reduce(bias.grad, grid)
         out[f"row_out_sp{sp}"] = diff(y, y_full.detach()[:, seq])
         out[f"row_dx_sp{sp}"] = diff(hl.grad, hf.grad[..., rank * 4 * E // t:(rank + 1) * 4 * E // t])
-        out[f"row_dw_sp{sp}"] = diff(row.weight.grad, tp.shard_rows(ref.weight.grad.t(), grid).t())
+        out[f"row_dw_sp{sp}"] = diff(row.weight.grad, tp.shard(ref.weight.grad, grid, 1))
         out[f"row_db_sp{sp}"] = diff(bias.grad, ref.bias.grad)
         ref.zero_grad()
 
@@ -80,12 +80,12 @@ def _layers(rank, world):
         out[f"block_out_sp{sp}"] = diff(y, y_full.detach()[:, seq])
         out[f"block_dx_sp{sp}"] = diff(xl.grad, xf.grad[:, seq])
         out[f"block_dln_sp{sp}"] = diff(blk.ln_1.weight.grad, full.h[0].ln_1.weight.grad)
-        out[f"block_dfc_sp{sp}"] = diff(blk.mlp.c_fc.weight.grad, tp.shard_rows(full.h[0].mlp.c_fc.weight.grad, grid))
+        out[f"block_dfc_sp{sp}"] = diff(blk.mlp.c_fc.weight.grad, tp.shard(full.h[0].mlp.c_fc.weight.grad, grid))
         full.zero_grad()
 
         # vocab-parallel embedding and cross-entropy, with ids on both shards and near the padding
         idx = torch.tensor([[0, 25151, 25152, 50256, 7, 30000, 3, 50000]] * B)
-        wte = torch.nn.Parameter(tp.shard_rows(full.wte.weight.detach(), grid))
+        wte = tp.split_param(full.wte.weight, grid)
         e = tp.vocab_parallel_embedding(idx, wte, grid)
         hidden = torch.randn(B, T, E)
         hl = hidden[:, seq].clone().requires_grad_()
@@ -99,7 +99,7 @@ def _layers(rank, world):
         out[f"embed_out_sp{sp}"] = diff(e, e_full.detach()[:, seq])
         out[f"loss_sp{sp}"] = abs(loss.item() - loss_full.item()) / loss_full.item()
         out[f"loss_dh_sp{sp}"] = diff(hl.grad, hf.grad[:, seq])
-        out[f"loss_dwte_sp{sp}"] = diff(wte.grad, tp.shard_rows(full.wte.weight.grad, grid))
+        out[f"loss_dwte_sp{sp}"] = diff(wte.grad, tp.shard(full.wte.weight.grad, grid))
         full.zero_grad()
     out["dtensor"] = _dtensor_block(rank, world, full, x)
     return out
