@@ -159,7 +159,17 @@ def _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales):
     return acc
 
 
-_blockwise_ok = {}  # (device type, out dtype, b's tiling) -> whether block-scaled _scaled_mm ran here
+_blockwise_ok = {}  # (device type, out dtype, b's tiling) -> block-scaled _scaled_mm ran here and was right
+
+
+def _cublas_block_scales(scales):
+    """cuBLAS reads 128x128 scales as a K-block-major array whose rows are padded to a multiple of 4 blocks
+    (16 bytes); newer torch checks that stride, older torch wants it unpadded (then only K/128 % 4 == 0
+    passes, the layouts being equal). Returned as _scaled_mm's scale_b: the transpose of (N/128, K/128)."""
+    L = scales.size(1)
+    padded = scales.new_zeros(scales.size(0), -(-L // 4) * 4)
+    padded[:, :L] = scales
+    return padded[:, :L].t()
 
 
 @torch.compiler.disable  # a try/except around a kernel choice is eager-mode code
@@ -167,34 +177,49 @@ def _fp8_matmul_scaled_mm(a_fp8, a_scales, b_fp8, b_scales, out_dtype):
     """The CUDA path (it also runs on CPU, where torch rejects block scales: the tests use that to check the
     fallback). torch._scaled_mm computes (a * scale_a) @ (mat2 * scale_b), a row-major, mat2 column-major.
     Block scales (torch >= 2.9, cuBLAS >= 12.9, sm_90): scale_a (M, K/128) outer-dim-major (column-major),
-    128x128 scale_b passed as the transpose of a contiguous (N/128, K/128), 1x128 scale_b as a contiguous
-    (K/128, N). use_fast_accum=False keeps cuBLAS's fp32 promotion (section 3.3 'accumulation precision')."""
-    M, K = a_fp8.shape
+    1x128 scale_b a contiguous (K/128, N), 128x128 scale_b see _cublas_block_scales. use_fast_accum=False
+    keeps cuBLAS's fp32 promotion (section 3.3 'increasing accumulation precision'). The first call of each
+    kind is checked against the per-chunk path, so a layout this torch/cuBLAS reads differently cannot
+    silently corrupt training."""
     N = b_fp8.size(0)
     b_fp8 = b_fp8.contiguous()  # so that mat2 = b^T is column-major (dgrad hands in W^T, a view)
     per_row = b_scales.size(0) == N
     key = (a_fp8.device.type, out_dtype, per_row)
     if _blockwise_ok.get(key, True):
-        scale_b = b_scales.t().contiguous() if per_row else b_scales.contiguous().t()
+        scale_b = b_scales.t().contiguous() if per_row else _cublas_block_scales(b_scales)
         try:
             out = torch._scaled_mm(a_fp8, b_fp8.t(), scale_a=a_scales.t().contiguous().t(), scale_b=scale_b,
                                    out_dtype=out_dtype, use_fast_accum=False)
-            _blockwise_ok[key] = True
-            return out
         except (RuntimeError, NotImplementedError, ValueError) as e:
             if key not in _blockwise_ok:  # never worked for this kind of call: say so once, then fall back
                 print0(f"fp8: block-scaled _scaled_mm unavailable for {key} ({str(e).splitlines()[0][:100]}); "
                        f"using one row-wise _scaled_mm per 128-wide K chunk")
                 _blockwise_ok[key] = False
-    # fallback: row-wise scales (scale_a (M,1), scale_b (1,N)) are exact within one K chunk; the CUTLASS
-    # row-wise kernel returns bf16 partials, which we promote and sum in fp32 ourselves
+        else:
+            if key not in _blockwise_ok:
+                ref = _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales)
+                err = ((out.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+                _blockwise_ok[key] = err < 1e-2
+                print0(f"fp8: block-scaled _scaled_mm for {key}: {err:.1e} from the per-chunk path -> "
+                       + ("using it" if err < 1e-2 else "NOT using it"))
+            if _blockwise_ok[key]:
+                return out
+    return _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales).to(out_dtype)
+
+
+def _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales):
+    """The fallback: within one 128-wide K chunk the tile scales are plain row-wise scales (scale_a (M,1),
+    scale_b (1,N)), which every fp8 _scaled_mm supports; the CUTLASS row-wise kernel returns bf16 partials,
+    which we promote and sum in fp32 ourselves. Slower (K/128 GEMMs), same numerics as the emulation."""
+    M, K = a_fp8.shape
+    N = b_fp8.size(0)
     b_rows = _row_scales(b_scales, N)
     acc = torch.zeros(M, N, dtype=torch.float32, device=a_fp8.device)
     for k in range(K // TILE):
         cols = slice(k * TILE, (k + 1) * TILE)
         acc += torch._scaled_mm(a_fp8[:, cols], b_fp8[:, cols].t(), scale_a=a_scales[:, k, None].contiguous(),
                                 scale_b=b_rows[None, :, k].contiguous(), out_dtype=torch.bfloat16).float()
-    return acc.to(out_dtype)
+    return acc
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """fp8.py: per-tile quantization error bounds, tiles vs one scale under outliers, the fp8 GEMM against fp64,
 Fp8Linear's gradients against an fp32 Linear, no inf/nan at extreme magnitudes, and 2-rank data-parallel
 training: --fp8 off equals gpt2.py's single process, --fp8 on ends within 2% of it."""
+import json
 import os
 
 import pytest
@@ -128,6 +129,47 @@ def test_scaled_mm_path_matches_emulation(monkeypatch):
         assert rel_err(got, want) < 5e-3
 
 
+def _block_scaled_mm_contract(real_scaled_mm, wrong=False):
+    """torch._scaled_mm's block-scaled contract as torch checks it (aten/src/ATen/native/cuda/Blas.cpp,
+    is_blockwise_1x128_scaling / is_blockwise_128x128_scaling, with cuBLAS's 4-block row padding), computed
+    by the emulation: what a GPU with cuBLAS >= 12.9 would do. Row-wise calls go to the real CPU op."""
+    def scaled_mm(a, mat2, scale_a, scale_b, out_dtype=None, use_fast_accum=False):
+        (M, K), N = a.shape, mat2.size(1)
+        if scale_a.shape == (M, 1) and scale_b.shape == (1, N):
+            return real_scaled_mm(a, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        L = K // 128
+        assert mat2.stride(0) == 1 and not use_fast_accum  # column-major b, fp32 promotion kept
+        assert scale_a.shape == (M, L) and scale_a.stride(0) == 1 and (L == 1 or scale_a.stride(1) == M)
+        sb = scale_b.t()
+        if sb.size(0) == N:  # 1x128
+            assert sb.stride(0) == 1 and (L == 1 or sb.stride(1) == N)
+        else:  # 128x128: (ceil(N/128), L), K-block-major, rows padded to 4 blocks
+            assert sb.shape == (-(-N // 128), L) and sb.stride(1) == 1 and (sb.size(0) == 1 or sb.stride(0) == -(-L // 4) * 4)
+        out = fp8._fp8_matmul_emulated(a, scale_a, mat2.t(), sb)
+        return (out * 0 if wrong else out).to(out_dtype)
+    return scaled_mm
+
+
+def test_block_scaled_call_follows_the_cublas_contract(monkeypatch, capsys):
+    """The block-scaled branch, which only a GPU reaches: the arguments fp8.py builds for forward, dgrad and
+    wgrad satisfy torch's layout checks, and a result that disagrees with the per-chunk path is refused."""
+    torch.manual_seed(0)
+    x, w, dy = torch.randn(200, 600), torch.randn(300, 600), torch.randn(200, 300)  # K/128 = 5: padded rows
+    (xq, xs), (wq, ws), (dyq, dys) = fp8.quantize_1x128(x), fp8.quantize_128x128(w), fp8.quantize_1x128(dy)
+    (dytq, dyts), (xtq, xts) = fp8.quantize_1x128(dy.t()), fp8.quantize_1x128(x.t())
+    cases = ((xq, xs, wq, ws), (dyq, dys, wq.t(), ws.t()), (dytq, dyts, xtq, xts))
+    for wrong in (False, True):
+        monkeypatch.setattr(fp8, "_blockwise_ok", {})
+        monkeypatch.setattr(torch, "_scaled_mm", _block_scaled_mm_contract(torch._scaled_mm, wrong))
+        for a, sa, b, sb in cases:
+            got = fp8._fp8_matmul_scaled_mm(a, sa, b, sb, torch.float32)
+            assert rel_err(got, fp8._fp8_matmul_emulated(a, sa, b, sb)) < (1e-6 if not wrong else 5e-3)
+        seen = dict(fp8._blockwise_ok)
+        monkeypatch.undo()
+        assert seen == {("cpu", torch.float32, False): not wrong, ("cpu", torch.float32, True): not wrong}
+    assert "NOT using it" in capsys.readouterr().out
+
+
 def test_fp8_linear_gradients_vs_fp32_linear():
     """Bounds: output and dgrad < 5% (one e4m3 rounding per operand), wgrad < 6% (x is quantized twice:
     1x128 along channels in forward, re-cut along tokens for wgrad), bias grad exact (high precision)."""
@@ -199,6 +241,11 @@ TRAIN = ["--device", "cpu", "--dtype", "float32", "--n-layer", "2", "--n-embd", 
          "--steps", "16", "--warmup", "4", "--lr", "2e-3", "--eval-every", "0"]
 
 
+def read_metrics_file(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
 def _train_off_then_on(rank, world, data, out):
     """Both modes in one 2-rank process group (one launch); rank 0 returns the final-loss gap."""
     for mode in ("off", "on"):
@@ -215,6 +262,8 @@ def test_two_rank_training_fp8_vs_baseline_vs_gpt2(shakespeare, tmp_path):
     off = [r["loss"] for r in read_metrics_file(os.path.join(out, "metrics_fp8_off.jsonl")) if "loss" in r]
     on = [r["loss"] for r in read_metrics_file(os.path.join(out, "metrics_fp8_on.jsonl")) if "loss" in r]
     assert len(single) == len(off) == len(on) == 16
+    print(f"\noff vs gpt2.py {max_rel_diff(off, single):.2e} | on vs off max {max_rel_diff(on, off):.2e} | "
+          f"final {on[-1]:.4f} vs {off[-1]:.4f}, gap {100 * gap:+.3f}%")
     # the hand-written all-reduce is exact data parallelism: 2 ranks x 4 rows == 1 process x 8 rows
     assert max_rel_diff(off, single) < 1e-5
     # fp8 changes every step a little and the end result by under 2%
@@ -225,9 +274,3 @@ def test_two_rank_training_fp8_vs_baseline_vs_gpt2(shakespeare, tmp_path):
     n_params = gpt2.build_model(gpt2.make_parser("t").parse_args(TRAIN)).num_params(non_embedding=False)
     comm = [r["comm_mb"] for r in read_metrics(out) if "comm_mb" in r]
     assert comm == pytest.approx([(4 * n_params + 4) / 1e6] * 16, rel=1e-9)
-
-
-def read_metrics_file(path):
-    import json
-    with open(path) as f:
-        return [json.loads(line) for line in f]
