@@ -12,20 +12,24 @@ while backward keeps computing earlier layers. With --zero1 (ZeRO stage 1) each 
 the AdamW moments of only 1/N of the weights: the buckets are reduce-scattered instead, each rank
 updates its slice, and an all-gather brings the updated weights back to everyone.
 
-    rank r (of N): whole model, batch rows [r*B, (r+1)*B), AdamW state: all (DDP) or slice r (ZeRO-1)
+    rank r (of N): whole model | batch rows [r*B, (r+1)*B) | AdamW state: all (DDP) or slice r (ZeRO-1)
 
-    backward  [lm_head+ln_f][ h3 ][ h2 ][ h1 ][ h0 ][ wpe, wte ]     (tiny model, 4 blocks)
-    comm                     [b0 all-reduce][b1 all-reduce    ]  [b2 all-reduce] -> wait -> clip -> AdamW
-                     bucket b0 = ln_f,h3,h2 | b1 = h1,h0,wpe | b2 = wte (tied lm_head: one gradient)
+    GPT-2 124M, --bucket-mb 25: 18 buckets of 16-22 MB (ln_f, h.11 ... h.0, wpe), then wte alone (155 MB)
+    backward  [lm_head][ln_f,h.11][h.10][h.9] ... [h.0][wpe][wte]
+    comm                  [b0]      [b1] [b2] ...  [b16] [b17][b18 = wte ...........] wait -> clip -> AdamW
+    (the tied wte/lm_head gradient is complete only when the embedding's backward, the very last op,
+     has added its share: its bucket, 31% of the bytes, is the one that cannot hide under backward)
 
-    ZeRO-1, per bucket:   grads [ s0 | s1 | .. | sN-1 ]  --reduce-scatter-->  rank r: mean of slice r
-                          AdamW(slice r: exp_avg, exp_avg_sq)  updates weights of slice r
-                          weights [ s0 | s1 | .. | sN-1 ]  <--all-gather--   every rank: all weights
+    ZeRO-1, per bucket:   grads   [ s0 | s1 | .. | sN-1 ]  --reduce-scatter-->  rank r: mean of slice r
+                          AdamW on slice r only (exp_avg, exp_avg_sq: 1/N of the state per rank)
+                          weights [ s0 | s1 | .. | sN-1 ]  <--all-gather--   rank r's updated slice
+    bytes per rank per step: all-reduce 2(N-1)/N x G  =  reduce-scatter (N-1)/N x G + all-gather (N-1)/N x G
 
 Launch (same flags as `python gpt2.py train`; --batch-size is per rank):
     python gpt2.py prepare shakespeare
     torchrun --nproc_per_node=2 ddp.py --device cpu              # CPU, gloo
-    torchrun --nproc_per_node=8 ddp.py --model gpt2 --data data/fineweb10B --batch-size 16 --grad-accum 4 --compile
+    torchrun --nproc_per_node=8 ddp.py --model gpt2 --data data/fineweb10B --seq-len 1024 --batch-size 16 \
+        --grad-accum 4 --lr 6e-4 --warmup 700 --steps 19000 --compile       # 0.5M tokens/step, as GPT-2
     torchrun --nproc_per_node=8 ddp.py ... --zero1               # AdamW state / N
     python gpt2.py sample --init-from out/model.pt
 
@@ -220,8 +224,8 @@ class DataParallel:
             return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         grads = [s.grad for s in self.shard_params() if s.grad is not None]
         sq = torch.zeros((), device=self.params[0].device)
-        for g in grads:
-            sq += g.float().square().sum()
+        if grads:  # the per-tensor norms clip_grad_norm_ takes, so one rank computes what it computes
+            sq += torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
         if self.world > 1:
             dist.all_reduce(sq)
             self.meter.all_reduce(sq.element_size(), self.world)
@@ -249,7 +253,9 @@ class DataParallel:
             mine = (self.rank * S, (self.rank + 1) * S)
             for i, p in enumerate(b.params):
                 b.view(b.weights, i).copy_(p.detach())
-                p.data = b.view(b.weights, i)  # the parameter now lives in the bucket's buffer
+                # swap the storage, keep the Parameter: the module, the tie wte/lm_head and our hooks
+                # all still point at the same object, which now lives in the bucket's buffer
+                p.data = b.view(b.weights, i)
                 lo, hi = max(b.offsets[i], mine[0]), min(b.offsets[i + 1], mine[1])
                 if lo < hi:  # this parameter overlaps my slice: I own these elements' AdamW state
                     b.slices[i] = (b.weights[lo:hi], lo, hi)
@@ -271,7 +277,8 @@ class DataParallel:
                                 {"params": no_decay, "weight_decay": 0.0}], args, device)
 
     def all_gather_params(self):
-        """After opt.step(): each rank updated its slice; gather all slices into every replica."""
+        """After opt.step(): each rank updated its slice; gather all slices into every replica. (It
+        could instead overlap the next forward, bucket by bucket, as FSDP's prefetch does.)"""
         if not self.zero1 or self.world == 1:
             return
         works = []

@@ -24,8 +24,8 @@ import gpt2  # noqa: E402
 def main():
     p = gpt2.make_parser("ours vs torch DDP step time")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size of both DDPs")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    p.set_defaults(steps=4, batch_size=4, seq_len=128)  # --steps: timed steps per variant per round
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.set_defaults(steps=3, batch_size=4, seq_len=64)  # --steps: timed steps per variant per round
     args = p.parse_args()
     if int(os.environ.get("WORLD_SIZE", 1)) < 2:
         sys.exit("launch with torchrun --nproc_per_node=2 (or more): see the docstring")
