@@ -31,10 +31,9 @@ Launch (the tiny model on CPU; add --device cuda for GPUs, where bf16 autocast a
     torchrun --nproc_per_node=4 pipeline.py --schedule 1f1b --dp 2 --micro-batches 4
     python gpt2.py train --batch-size 8 ...   # the same loss curve, step by step (fp32)
 
-References: GPipe (Huang et al. 2019); 1F1B / PipeDream-Flush (Narayanan et al. 2021, "Efficient
-Large-Scale Language Model Training on GPU Clusters using Megatron-LM", section 2.2); zero-bubble B/W
-split (Qi et al. 2023); DualPipe (DeepSeek-V3 Technical Report, section 3.2.1, and deepseek-ai/DualPipe,
-which also holds DualPipeV); torch.distributed.pipelining (compared against in tests/).
+References: GPipe (Huang et al. 2019); 1F1B/PipeDream-Flush (Narayanan et al. 2021, Megatron-LM, 2.2);
+zero-bubble B/W split (Qi et al. 2023); DualPipe (DeepSeek-V3 report, 3.2.1) and DualPipeV
+(deepseek-ai/DualPipe); torch.distributed.pipelining, which tests/ compares against.
 """
 import collections
 import contextlib
@@ -95,68 +94,51 @@ class _OpList:
             self.ops.append(Op("W", *self.pending_w.popleft()))
 
 
-def dualpipe(P, M, rank):
-    """DualPipe (DeepSeek-V3 section 3.2.1): micro-batches enter from both ends at once; rank r holds stage r
-    of direction 0 and stage P-1-r of direction 1. Phase 0 is the direction fed from this rank's own end
-    (direction 0 on the first half of the ranks, direction 1 on the second), phase 1 the other. In the
-    main phase a forward of one direction is paired with a backward of the other (F&B, which on GPUs
-    overlaps one's communication with the other's compute); some backwards are split and their W fill the
-    bubbles. The eight phases and their lengths follow deepseek-ai/DualPipe."""
-    half, h = P // 2, min(rank, P - 1 - rank)
-    second = rank >= half
-    stage = {0: rank, 1: P - 1 - rank}  # direction -> this rank's stage in it
-    o = _OpList({P - 1 - rank: M // 2})  # direction 1 carries micro-batches M/2 .. M-1
-    F_ = lambda phase: o.add("F", stage[phase ^ second])
-    B_ = lambda phase, zb=False: o.add("I" if zb else "B", stage[phase ^ second])
+def _dualpipe_phases(half, h, chunks, near, far, mb_base):
+    """The eight phases of DualPipe (deepseek-ai/DualPipe) on a rank h steps from its end of a pipeline of
+    2*half ranks fed `chunks` micro-batches per direction. `near` is this rank's stage in the direction
+    fed from its own end (phase 0), `far` its stage in the other (phase 1). Backwards of the main phase
+    pair a forward of one direction with a backward of the other (F&B: on GPUs one's communication hides
+    under the other's compute); split backwards (I now, W later) fill the ramps."""
+    o = _OpList(mb_base)
+    F = lambda stage: o.add("F", stage)  # noqa: E731
+    B = lambda stage, zb=False: o.add("I" if zb else "B", stage)  # noqa: E731
     for _ in range((half - h - 1) * 2):  # 1: nF0, fill the pipe from my end
-        F_(0)
+        F(near)
     for _ in range(h + 1):  # 2: nF0F1, the other direction's first micro-batches arrive
-        F_(0), F_(1)
+        F(near), F(far)
     for _ in range(half - h - 1):  # 3: nB1W1F1, zero bubble: the W runs right away
-        B_(1, zb=True), o.W(), F_(1)
-    for _ in range(M // 2 - P + h + 1):  # 4: main, nF0B1F1B0 (F&B pairs)
-        F_(0), B_(1), F_(1), B_(0)
+        B(far, zb=True), o.W(), F(far)
+    for _ in range(chunks - 2 * half + h + 1):  # 4: main, nF0B1F1B0 (F&B pairs)
+        F(near), B(far), F(far), B(near)
     for _ in range(half - h - 1):  # 5: nB1F1B0
-        B_(1), F_(1), B_(0)
+        B(far), F(far), B(near)
     zb = False
     for i in range(h + 1):  # 6: nB1B0, the second half of these backwards split into I and W
         zb = zb or (i == (h + 1) // 2 and h % 2 == 1)
-        B_(1, zb)
+        B(far, zb)
         zb = zb or (i == (h + 1) // 2 and h % 2 == 0)
-        B_(0, zb)
+        B(near, zb)
     for _ in range(half - h - 1):  # 7: nWB0, weight gradients fill the drain
-        o.W(), B_(0, zb=True)
+        o.W(), B(near, zb=True)
     for _ in range(h + 1):  # 8: nW, the remaining weight gradients
         o.W()
     return o.ops
 
 
+def dualpipe(P, M, rank):
+    """DualPipe (DeepSeek-V3 section 3.2.1): M/2 micro-batches enter at each end at once; rank r holds stage r
+    of direction 0 (fed at rank 0) and stage P-1-r of direction 1 (fed at rank P-1, micro-batches M/2..M-1).
+    The second half of the ranks mirrors the first, so phase 0 is direction 1 there."""
+    stages = (rank, P - 1 - rank) if rank < P // 2 else (P - 1 - rank, rank)  # (near, far)
+    return _dualpipe_phases(P // 2, min(rank, P - 1 - rank), M // 2, *stages, {P - 1 - rank: M // 2})
+
+
 def dualpipev(P, M, rank):
-    """DualPipeV: DualPipe "cut in half" (deepseek-ai/DualPipe): one feed, 2P stages laid out as a V, rank r
-    holds stage r (going down) and stage 2P-1-r (coming back). Same eight phases, one copy of the weights."""
-    s0, s1 = rank, 2 * P - 1 - rank
-    o = _OpList({})
-    for _ in range((P - rank - 1) * 2):  # 1: nF0
-        o.add("F", s0)
-    for _ in range(rank + 1):  # 2: nF0F1
-        o.add("F", s0), o.add("F", s1)
-    for _ in range(P - rank - 1):  # 3: nI1W1F1 (zero bubble)
-        o.add("I", s1), o.W(), o.add("F", s1)
-    for _ in range(M - 2 * P + rank + 1):  # 4: main, nF0B1F1B0 (F&B pairs)
-        o.add("F", s0), o.add("B", s1), o.add("F", s1), o.add("B", s0)
-    for _ in range(P - rank - 1):  # 5: nB1F1B0
-        o.add("B", s1), o.add("F", s1), o.add("B", s0)
-    zb = False
-    for i in range(rank + 1):  # 6: nB1B0, the second half split into I and W
-        zb = zb or (i == (rank + 1) // 2 and rank % 2 == 1)
-        o.add("I" if zb else "B", s1)
-        zb = zb or (i == (rank + 1) // 2 and rank % 2 == 0)
-        o.add("I" if zb else "B", s0)
-    for _ in range(P - rank - 1):  # 7: nWB0
-        o.W(), o.add("I", s0)
-    for _ in range(rank + 1):  # 8: nW
-        o.W()
-    return o.ops
+    """DualPipeV: DualPipe "cut in half" (deepseek-ai/DualPipe). One feed and 2P stages laid out as a V: rank
+    r holds stage r (going down) and 2P-1-r (coming back), i.e. it plays rank r of a 2P-rank DualPipe
+    whose second half has been folded back onto the first. One copy of the weights instead of two."""
+    return _dualpipe_phases(P, rank, M, rank, 2 * P - 1 - rank, {})
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "dualpipe": dualpipe, "dualpipev": dualpipev}
@@ -186,30 +168,23 @@ def forward_only(schedule, P, M, rank):
 
 
 def simulate(schedule, P, M, cost, orders=None):
-    """Run every rank's op list against the data dependencies with op durations `cost` (kind -> time) and
-    free communication. Returns per-rank [(op, start, end)]; raises if the lists deadlock. With F=1,
-    B=2 it reproduces the closed forms; with measured durations it is the ideal the hardware aims at."""
-    orders = orders or [SCHEDULES[schedule](P, M, r) for r in range(P)]
-    last = num_stages(schedule, P) - 1
-
-    def waits_for(op):  # the op on another stage whose result this op consumes
-        if op.kind == "F" and op.stage > 0:
-            return ("F", op.stage - 1, op.mb)
-        if op.kind in "BI" and op.stage < last:
-            return ("B", op.stage + 1, op.mb)
-        return None
-
+    """Run every rank's op list against the data dependencies with op durations `cost` ({kind: time}, or
+    {(kind, stage): time} for unequal stages) and free communication. Returns per-rank [(op, start,
+    end)]; raises if the lists deadlock. With F=1, B=2 it reproduces the closed forms; with the measured
+    durations it is the ideal this hardware could reach with this schedule."""
+    orders, last = orders or [SCHEDULES[schedule](P, M, r) for r in range(P)], num_stages(schedule, P) - 1
     done, out, pos, free = {}, [[] for _ in range(P)], [0] * P, [0.0] * P
     while any(pos[r] < len(orders[r]) for r in range(P)):
         progressed = False
         for r in range(P):
             while pos[r] < len(orders[r]):
                 op = orders[r][pos[r]]
-                dep = waits_for(op)
+                dep = (("F", op.stage - 1, op.mb) if op.kind == "F" and op.stage > 0 else  # the op it consumes
+                       ("B", op.stage + 1, op.mb) if op.kind in "BI" and op.stage < last else None)
                 if dep is not None and dep not in done:
                     break
                 start = max(free[r], done[dep] if dep else 0.0)
-                free[r] = start + cost[op.kind]
+                free[r] = start + cost.get((op.kind, op.stage), cost.get(op.kind))
                 done[("B" if op.kind == "I" else op.kind, op.stage, op.mb)] = free[r]
                 out[r].append((op, start, free[r]))
                 pos[r], progressed = pos[r] + 1, True
@@ -218,12 +193,10 @@ def simulate(schedule, P, M, cost, orders=None):
     return out
 
 
-def bubble_fraction(spans_by_rank):
+def bubble_fraction(ranks):
     """Mean over ranks of the idle share of the makespan, from [(op, start, end)] per rank."""
-    t0 = min(s[1] for spans in spans_by_rank for s in spans)
-    t1 = max(s[2] for spans in spans_by_rank for s in spans)
-    busy = [sum(e - s for _, s, e in spans) for spans in spans_by_rank]
-    return sum((t1 - t0) - b for b in busy) / len(busy) / (t1 - t0)
+    t0, t1 = min(a for r in ranks for _, a, _ in r), max(b for r in ranks for _, _, b in r)
+    return sum((t1 - t0) - sum(b - a for _, a, b in r) for r in ranks) / len(ranks) / (t1 - t0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -234,9 +207,8 @@ def check_args(args, world):
     """Returns P, the pipeline depth; raises ValueError naming the flag to change."""
     if args.dp < 1 or world % args.dp:
         raise ValueError(f"--dp {args.dp} does not divide the {world} ranks")
-    P, M, S = world // args.dp, args.micro_batches, None
+    P, M, L = world // args.dp, args.micro_batches, gpt2.model_config(args).n_layer
     S = num_stages(args.schedule, P)
-    L = gpt2.model_config(args).n_layer
     if M < 1 or args.batch_size % M:
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by --micro-batches {M}")
     if L % S:
@@ -264,32 +236,27 @@ class Timeline:
         self.cuda = device.type == "cuda"
         self.reset()
 
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter() * 1e3
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def reset(self):
-        self.ops = []
-        if self.cuda:
-            self.t0 = torch.cuda.Event(enable_timing=True)
-            self.t0.record()
-        else:
-            self.t0 = time.perf_counter()
+        self.ops, self.t0 = [], self.now()
 
     @contextlib.contextmanager
     def op(self, op):
-        if self.cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            yield
-            b.record()
-            self.ops.append((op, a, b))
-        else:
-            a = time.perf_counter()
-            yield
-            self.ops.append((op, (a - self.t0) * 1e3, (time.perf_counter() - self.t0) * 1e3))
+        start = self.now()
+        yield
+        self.ops.append((op, start, self.now()))
 
     def spans(self):
-        if not self.cuda:
-            return list(self.ops)
-        torch.cuda.synchronize()
-        return [(op, self.t0.elapsed_time(a), self.t0.elapsed_time(b)) for op, a, b in self.ops]
+        if self.cuda:
+            torch.cuda.synchronize()
+        ms = (lambda e: self.t0.elapsed_time(e)) if self.cuda else (lambda t: t - self.t0)
+        return [(op, ms(a), ms(b)) for op, a, b in self.ops]
 
 
 class Pipeline:
@@ -357,16 +324,13 @@ class Pipeline:
                 if r in ends:
                     self.embed_group = g
 
-    def parameters(self):
-        return [p for p in self.model.parameters()]
-
     def norm_parameters(self):
         """The parameters whose gradient this rank adds to the global norm: every parameter exactly once."""
         if self.schedule == "dualpipe":  # the pair r, P-1-r holds the same stages: the lower rank counts
-            return self.parameters() if self.pp_rank < self.P // 2 else []
+            return list(self.model.parameters()) if self.pp_rank < self.P // 2 else []
         if self.tied_split and self.last:  # the head's copy of wte is counted on the first stage
-            return [p for p in self.parameters() if p is not self.model.lm_head.weight]
-        return self.parameters()
+            return [p for p in self.model.parameters() if p is not self.model.lm_head.weight]
+        return list(self.model.parameters())
 
     # -- messages ---------------------------------------------------------------------------------------
 
@@ -504,12 +468,9 @@ class Pipeline:
         if timed:
             self.timeline.reset()
         for op in orders[me]:
-            if op.kind == "F" and op.stage > 0:
-                self._exchange([("act", op.stage, op.mb)])
-            elif op.kind in "BI" and op.stage < self.S - 1:
-                self._exchange([("grad", op.stage, op.mb)])
-            else:
-                self._exchange()
+            need = ([("act", op.stage, op.mb)] if op.kind == "F" and op.stage > 0 else
+                    [("grad", op.stage, op.mb)] if op.kind in "BI" and op.stage < self.S - 1 else [])
+            self._exchange(need)  # this op's input, and the previous op's outputs leave
             with self.timeline.op(op) if timed else contextlib.nullcontext():
                 if op.kind == "F":
                     self._forward(op, xs, ys)
@@ -519,20 +480,16 @@ class Pipeline:
                     self._backward(op)
             self.peak_held = max(self.peak_held, len(self.saved.keys() | self.deferred.keys()))
         self._exchange()
-        for works, _ in self.sent:
-            for w in works:
-                w.wait()
+        for w in (w for works, _ in self.sent for w in works):
+            w.wait()
         assert not (self.inbox or self.saved or self.deferred or any(self.expect.values())), "schedule left work behind"
         self.sent = []
         return self.loss_sum
 
-    def forward_backward(self, x, y, scale, align=False):
-        return self.run(self.orders, x, y, scale, align)
-
     # -- gradient synchronisation, norm, loss -----------------------------------------------------------
 
     def sync_grads(self):
-        params = self.parameters()
+        params = list(self.model.parameters())
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -551,15 +508,13 @@ class Pipeline:
     def clip_grad_norm(self, max_norm):
         """torch.nn.utils.clip_grad_norm_ over the whole model, each parameter counted once."""
         grads = [p.grad for p in self.norm_parameters()]
-        sq = torch.zeros((), device=self.ctx.device)
-        if grads:
-            sq = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).square().sum()
+        sq = sum((torch.linalg.vector_norm(g.float()).square() for g in grads), torch.zeros((), device=self.ctx.device))
         if self.P > 1:
             dist.all_reduce(sq, group=self.pp_group)
             self.comm.all_reduce(4, self.P)
         total = sq.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self.parameters():
+        for p in self.model.parameters():
             p.grad.mul_(coef)
         return total
 
@@ -605,11 +560,34 @@ def _accumulate(p, g, rows=None):
 # Bubble report and the schedule picture
 
 
+def bubble_stats(name, P, M, ranks):
+    """One step's timeline ([(op, start, end)] per rank) -> the measured bubble (mean idle share of the
+    step), the closed form (which assumes equal stages), and a simulation of the op lists with the
+    measured mean duration of each (kind, stage): on small models the last stage's vocabulary-sized
+    head makes it much slower than the others, a bubble no schedule removes."""
+    step = max(b for r in ranks for _, _, b in r) - min(a for r in ranks for _, a, _ in r)
+    ms = {k: sum(b - a for r in ranks for op, a, b in r if op.kind == k) /
+          max(1, sum(op.kind == k for r in ranks for op, _, _ in r)) for k in "FBIW"}
+    cost = dict(ms, B=ms["B"] or ms["I"] + ms["W"])
+    per_stage = collections.defaultdict(list)
+    for op, a, b in (s for r in ranks for s in r):
+        per_stage[(op.kind, op.stage)].append(b - a)
+    per_stage = {k: sum(v) / len(v) for k, v in per_stage.items()}
+    if name in ("gpipe", "1f1b"):
+        closed = f"(P-1)/(M+P-1) = {(P - 1) / (M + P - 1):.3f}"
+    else:  # DeepSeek-V3 table 2, a time per rank (F&B = F+B here: no overlap); DualPipeV = DualPipe over 2P
+        n, label = (P / 2 - 1, "P/2-1") if name == "dualpipe" else (P - 1, "P-1")
+        closed = (f"({label})(F&B+B-3W) = {n * (cost['F'] + 2 * cost['B'] - 3 * cost['W']):.2f} ms idle per rank "
+                  f"(F={cost['F']:.2f} B={cost['B']:.2f} W={cost['W']:.2f} ms)")
+    bubble = bubble_fraction(ranks)
+    return {"bubble": bubble, "idle_ms": bubble * step, "step_ms": step, "closed": closed, "op_ms": ms,
+            "simulated": bubble_fraction(simulate(name, P, M, per_stage))}
+
+
 def report(pipe, args):
-    """Gather the drawn step's op times to rank 0; print the measured bubble beside the closed form and
-    beside a simulation with the measured op durations; draw OUT/schedule.png; write OUT/schedule.json."""
-    spans = [(tuple(op), a, b) for op, a, b in pipe.timeline.spans()]
-    mine = {"rank": pipe.ctx.rank, "spans": spans, "peak_held": pipe.peak_held}
+    """Gather the drawn step's op times to rank 0, print its bubble stats and the peak activations held,
+    draw OUT/schedule.png and write OUT/schedule.json."""
+    mine = {"spans": [(tuple(op), a, b) for op, a, b in pipe.timeline.spans()], "peak_held": pipe.peak_held}
     gathered = [None] * pipe.ctx.world if pipe.ctx.master else None
     if pipe.ctx.world > 1:
         dist.gather_object(mine, gathered, dst=0)
@@ -619,32 +597,18 @@ def report(pipe, args):
         return None
     P, M, name = pipe.P, pipe.M, args.schedule
     ranks = [[(Op(*op), a, b) for op, a, b in g["spans"]] for g in gathered[:P]]  # replica 0
-    measured = bubble_fraction(ranks)
-    mean = {k: sum(b - a for r in ranks for op, a, b in r if op.kind == k) /
-               max(1, sum(op.kind == k for r in ranks for op, _, _ in r)) for k in "FBIW"}
-    cost = dict(mean)
-    cost["B"] = cost["B"] or cost["I"] + cost["W"]
-    cost["I"] = cost["I"] or cost["B"] / 2
-    simulated = bubble_fraction(simulate(name, P, M, cost))
-    if name in ("gpipe", "1f1b"):
-        closed = f"(P-1)/(M+P-1) = {(P - 1) / (M + P - 1):.3f}"
-    else:  # DeepSeek-V3 table 2, in time per rank; DualPipeV is DualPipe over 2P half-stages
-        n = P / 2 - 1 if name == "dualpipe" else P - 1
-        closed = (f"({'P/2' if name == 'dualpipe' else 'P'}-1)(F&B+B-3W) = {n * (cost['F'] + 2 * cost['B'] - 3 * cost['W']):.2f} ms "
-                  f"idle per rank with F={cost['F']:.2f} B={cost['B']:.2f} W={cost['W']:.2f} ms, F&B=F+B")
-    t1 = max(b for r in ranks for _, _, b in r) - min(a for r in ranks for _, a, _ in r)
-    idle = sum(t1 - sum(b - a for _, a, b in r) for r in ranks) / P
-    held = [g["peak_held"] for g in gathered[:P]]
-    print0(f"{name} P={P} M={M}: measured bubble {measured:.3f} of {t1:.1f} ms ({idle:.2f} ms idle per rank) | "
-           f"closed form {closed} | simulated with measured op times {simulated:.3f}")
-    print0(f"peak micro-batch activations held per rank: {held}")
-    stats = {"schedule": name, "P": P, "M": M, "bubble": measured, "simulated": simulated, "idle_ms": idle,
-             "op_ms": mean, "peak_held": held, "spans": [[(op, a, b) for op, a, b in g["spans"]] for g in gathered]}
+    st = bubble_stats(name, P, M, ranks)
+    st.update(schedule=name, P=P, M=M, peak_held=[g["peak_held"] for g in gathered[:P]],
+              spans=[g["spans"] for g in gathered])
+    print0(f"{name} P={P} M={M}: measured bubble {st['bubble']:.3f} of a {st['step_ms']:.1f} ms step | closed form "
+           f"{st['closed']} | simulated with the measured op times {st['simulated']:.3f}")
+    print0(f"peak micro-batch activations held per rank: {st['peak_held']}")
     with open(os.path.join(args.out, "schedule.json"), "w") as f:
-        json.dump(stats, f)
-    way_back = lambda op: op.stage >= P or (name == "dualpipe" and op.mb >= M // 2)
-    draw_schedule(ranks, os.path.join(args.out, "schedule.png"), f"{name}: P={P}, M={M}, measured bubble {measured:.1%}", way_back)
-    return stats
+        json.dump(st, f)
+    way_back = lambda op: op.stage >= P or (name == "dualpipe" and op.mb >= M // 2)  # noqa: E731
+    draw_schedule(ranks, os.path.join(args.out, "schedule.png"), f"{name}: P={P}, M={M}, "
+                  f"measured bubble {st['bubble']:.1%}", way_back)
+    return st
 
 
 def draw_schedule(ranks, path, title, pale):
@@ -711,7 +675,7 @@ def train(argv=None):
         loss_sum = torch.zeros((), device=ctx.device)
         for _ in range(args.grad_accum):
             x, y = train_loader.next_batch()
-            loss_sum += pipe.forward_backward(x, y, scale, align=step == args.steps - 1)
+            loss_sum += pipe.run(pipe.orders, x, y, scale, align=step == args.steps - 1)
         pipe.sync_grads()
         loss_val = pipe.global_loss(loss_sum)
         if args.grad_clip > 0:

@@ -174,7 +174,7 @@ def _two_rank_worker(rank, world, data, out):
         args = pl.make_parser().parse_args(argv)
         ctx = gpt2.setup(args)
         pipe = pl.Pipeline(args, ctx, pl.check_args(args, world), gpt2.CommMeter())
-        loss = pipe.global_loss(pipe.forward_backward(x, y, 1.0 / pipe.M))
+        loss = pipe.global_loss(pipe.run(pipe.orders, x, y, 1.0 / pipe.M))
         pipe.sync_grads()
         ran = [op for op, _, _ in pipe.timeline.spans()]
         ref = gpt2.build_model(args)  # the unsplit model on the whole batch
