@@ -217,8 +217,11 @@ def _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales):
     acc = torch.zeros(M, N, dtype=torch.float32, device=a_fp8.device)
     for k in range(K // TILE):
         cols = slice(k * TILE, (k + 1) * TILE)
-        acc += torch._scaled_mm(a_fp8[:, cols], b_fp8[:, cols].t(), scale_a=a_scales[:, k, None].contiguous(),
-                                scale_b=b_rows[None, :, k].contiguous(), out_dtype=torch.bfloat16).float()
+        # contiguous chunks: the row-wise kernels want dense row-major a and column-major b (a copy of 1 byte
+        # per element, small next to the GEMM)
+        acc += torch._scaled_mm(a_fp8[:, cols].contiguous(), b_fp8[:, cols].contiguous().t(),
+                                scale_a=a_scales[:, k, None].contiguous(), scale_b=b_rows[None, :, k].contiguous(),
+                                out_dtype=torch.bfloat16).float()
     return acc
 
 
