@@ -13,11 +13,11 @@ from harness import max_rel_diff, read_metrics, run_cli, run_distributed, train_
 
 CFG = gpt2.GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=16)
 COMMON = ["--model", "tiny", "--n-layer", "2", "--n-embd", "32", "--seq-len", "32", "--steps", "10",
-          "--lr", "3e-3", "--warmup", "2", "--eval-every", "5", "--eval-steps", "2", "--device", "cpu",
+          "--lr", "3e-3", "--warmup", "2", "--eval-every", "10", "--eval-steps", "1", "--device", "cpu",
           "--dtype", "float32", "--experts", "4", "--top-k", "2", "--capacity-factor", "0"]
 # sigmoid gates + shared expert + aux-loss-free bias (fast, so that it changes routing within the run) + 2 micro-steps
 DEEPSEEK = ["--gate", "sigmoid", "--shared-expert", "--balance", "bias", "--bias-rate", "0.01", "--grad-accum", "2",
-            "--steps", "6"]
+            "--steps", "5"]
 
 
 @pytest.fixture(scope="module")
@@ -193,12 +193,12 @@ def test_expert_parallel_equals_one_process(bigram_data, tmp_path):
     common = COMMON + ["--data", bigram_data]
     o = {name: str(tmp_path / name) for name in ("ref", "ep2", "ep2dp2", "ep4", "ds_ref", "ds_ep2dp2")}
     moe_ep.train(common + ["--ep", "1", "--batch-size", "8", "--out", o["ref"]])
-    moe_ep.train(common + DEEPSEEK + ["--ep", "1", "--batch-size", "8", "--out", o["ds_ref"]])
+    moe_ep.train(common + DEEPSEEK + ["--ep", "1", "--batch-size", "4", "--out", o["ds_ref"]])
     run_cli(["moe_ep.py"] + common + ["--ep", "2", "--batch-size", "4", "--out", o["ep2"]], nproc=2)
     checks = run_distributed(_checks_then_train, 4, [
         common + ["--ep", "2", "--batch-size", "2", "--out", o["ep2dp2"]],
         common + ["--ep", "4", "--batch-size", "2", "--out", o["ep4"]],
-        common + DEEPSEEK + ["--ep", "2", "--batch-size", "2", "--out", o["ds_ep2dp2"]]], timeout=300)
+        common + DEEPSEEK + ["--ep", "2", "--batch-size", "1", "--out", o["ds_ep2dp2"]]], timeout=300)
     for r in checks:
         assert r["recv_ok"] and r["bytes_ok"] and r["roundtrip_None"] and r["roundtrip_2"], r
         assert r["a2a_grad_err"] == 0 and r["vs_torch"] == (True, True), r
