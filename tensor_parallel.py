@@ -35,8 +35,8 @@ along the sequence, so its activations shrink by TP too.
 
     activations one block keeps for backward on a rank, in units of B*T*E values (no dropout here):
         TP       4 + 13/t   LayerNorm inputs and the gathered c_attn/c_fc inputs are whole, the rest cut
-        TP + SP  2 + 15/t   LayerNorm inputs cut along T (Megatron also drops the gathered inputs and
-                            all-gathers them again in backward, reaching 17/t; not done here)
+        TP + SP  17/t       LayerNorm inputs cut along T; c_attn/c_fc keep only their input's T/t
+                            tokens and all-gather them again in backward (2 more all-gathers a block)
 
 Launch:
     torchrun --nproc_per_node=2 tensor_parallel.py --tp 2                       # CPU gloo, tiny model
@@ -227,11 +227,43 @@ def split_param(t, grid, dim=0, pieces=1):
     return p
 
 
-def column_parallel(linear: nn.Linear, grid, pieces=1) -> nn.Linear:
-    """Y_r = X W_r^T + b_r: the output features of rank r. Its input must come through enter_tp."""
-    out = nn.Linear(linear.in_features, linear.out_features // grid.tp, device="meta")
-    out.weight, out.bias = split_param(linear.weight, grid, 0, pieces), split_param(linear.bias, grid, 0, pieces)
-    return out
+class LinearRegatherInput(torch.autograd.Function):
+    """Y = X W^T + b for an all-gathered X that is NOT kept for backward: only this rank's tokens are
+    saved, and backward all-gathers them again for the weight gradient (Korthikanti et al. section
+    4.2.2). Autocast does not reach a custom backward, so it casts to the forward's dtype itself."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, grid):
+        n = x.size(1) // grid.tp
+        ctx.grid = grid
+        ctx.save_for_backward(x[:, grid.tp_rank * n:(grid.tp_rank + 1) * n].clone(), weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mine, weight = ctx.saved_tensors
+        x = gather_sequence(mine, ctx.grid).flatten(0, -2).to(grad.dtype)
+        grad_x = grad @ weight.to(grad.dtype)
+        grad_w = grad.flatten(0, -2).t() @ x
+        return grad_x, grad_w.to(weight.dtype), grad.flatten(0, -2).float().sum(0).to(weight.dtype), None
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_r = X W_r^T + b_r: the output features of rank r. X must come through enter_tp."""
+
+    def __init__(self, linear: nn.Linear, grid, pieces=1):
+        super().__init__()
+        self.grid = grid
+        self.weight, self.bias = split_param(linear.weight, grid, 0, pieces), split_param(linear.bias, grid, 0, pieces)
+
+    def forward(self, x):
+        if self.grid.sequence_parallel and self.grid.tp > 1 and torch.is_grad_enabled():
+            return self.linear_regather_input(x)
+        return F.linear(x, self.weight, self.bias)
+
+    @torch.compiler.disable  # a collective in a custom backward: keep it out of the compiled graph
+    def linear_regather_input(self, x):
+        return LinearRegatherInput.apply(x, self.weight, self.bias, self.grid)
 
 
 def row_parallel(linear: nn.Linear, grid):
@@ -250,9 +282,9 @@ class ParallelBlock(nn.Module):
         super().__init__()
         self.grid = grid
         self.ln_1, self.attn, self.ln_2, self.mlp = block.ln_1, block.attn, block.ln_2, block.mlp
-        self.attn.c_attn = column_parallel(self.attn.c_attn, grid, pieces=3)
+        self.attn.c_attn = ColumnParallelLinear(self.attn.c_attn, grid, pieces=3)
         self.attn.c_proj, self.attn_bias = row_parallel(self.attn.c_proj, grid)
-        self.mlp.c_fc = column_parallel(self.mlp.c_fc, grid)
+        self.mlp.c_fc = ColumnParallelLinear(self.mlp.c_fc, grid)
         self.mlp.c_proj, self.mlp_bias = row_parallel(self.mlp.c_proj, grid)
 
     def forward(self, x):
@@ -387,7 +419,8 @@ def comm_bytes_closed_form(cfg, args, grid, act_bytes, n_local_params):
     """Bytes one rank sends per optimizer step (ring algorithms, as gpt2.CommMeter counts them).
     Per micro-step: 4 all-reduces of a (B,T,E) activation per block (f and g, forward and backward), one
     for the embedding (fp32), one for the head input, and the loss statistics (N fp32 maxima, then 2N).
-    With SP each all-reduce becomes an all-gather plus a reduce-scatter: the same bytes. Activation
+    With SP each all-reduce becomes an all-gather plus a reduce-scatter: the same bytes, plus 2 all-gathers
+    per block in backward to rebuild the column-parallel matmuls' inputs. Activation
     checkpointing recomputes a block only up to its last saved tensor (the MLP's c_proj input), so the
     MLP's g is not repeated: 1 extra all-reduce per block, or 3 half-size ops with SP. Per step: the SP
     grads over TP, every grad over DP, the grad norm and the loss."""
@@ -395,7 +428,8 @@ def comm_bytes_closed_form(cfg, args, grid, act_bytes, n_local_params):
     ar = lambda nbytes, n: 2 * (n - 1) / n * nbytes
     N = args.batch_size * args.seq_len
     recompute = (1.5 if grid.sequence_parallel else 1.0) if args.activation_checkpointing else 0.0
-    per_layer = (4 + recompute) * ar(N * E * act_bytes, t)
+    regather = 1.0 if grid.sequence_parallel else 0.0  # c_attn's and c_fc's inputs, gathered again
+    per_layer = (4 + regather + recompute) * ar(N * E * act_bytes, t)
     micro = L * per_layer + ar(N * E * 4, t) + ar(N * E * act_bytes, t) + ar(N * 4, t) + ar(2 * N * 4, t)
     replicated = L * 6 * E + 2 * E + cfg.block_size * E  # LayerNorm gains/biases, row-parallel biases, wpe
     sp = ar(replicated * 4, t) if grid.sequence_parallel else 0.0

@@ -38,7 +38,7 @@ def _layers(rank, world):
         y_full = ref(xf)
         gy = torch.randn_like(y_full)
         (y_full * gy).sum().backward()
-        col = tp.column_parallel(ref, grid, pieces=3)
+        col = tp.ColumnParallelLinear(ref, grid, pieces=3)
         xl = x[:, seq].clone().requires_grad_()
         y = col(tp.enter_tp(xl, grid))
         (y * tp.shard(gy, grid, 2, 3)).sum().backward()
