@@ -30,8 +30,10 @@ Launch:
     torchrun --nproc_per_node=2 checkpoint.py --ckpt-dir out/ckpt --save-every 50   # resumes if it can
     torchrun --nproc_per_node=8 checkpoint.py --model gpt2 --data data/fineweb10B --batch-size 16 \\
         --grad-accum 4 --compile --ckpt-dir /scratch/ckpt --save-every 250 --keep 3
-    torchrun --max-restarts 3 --nproc_per_node=8 checkpoint.py ...   # a dead worker restarts the job,
-                                                                     # which resumes from the last commit
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --max-restarts 3 --nproc_per_node=8 \
+        checkpoint.py ...    # a dead worker restarts the job, which resumes from the last commit. The env
+        # var gives each attempt a fresh TCPStore: a shared one keeps the dead attempt's addresses and the
+        # new ranks may connect to them (pytorch/pytorch#135712; seen here with gloo in torch 2.13)
     python checkpoint.py --ckpt-dir out/ckpt                         # one process; reshards N -> 1
 
 References: Rajbhandari et al. 2020, ZeRO (section 5.1, P_os: optimizer-state partitioning);
@@ -352,9 +354,11 @@ def load_latest(args, zero, opt, loader, ctx):
         return 0
     steps = list_checkpoints(args.ckpt_dir)
     if ctx.world > 1:  # everyone walks rank 0's list, so no rank can disagree on the candidates
-        n = torch.tensor([len(steps)], dtype=torch.int64)
+        n = torch.tensor([len(steps)], dtype=torch.int64, device=ctx.device)  # NCCL wants device tensors
         dist.broadcast(n, 0)
-        t = torch.tensor(steps if ctx.master else [0] * int(n), dtype=torch.int64)
+        if int(n) == 0:
+            return 0
+        t = torch.tensor(steps if ctx.master else [0] * int(n), dtype=torch.int64, device=ctx.device)
         dist.broadcast(t, 0)
         steps = t.tolist()
     for step in steps:
@@ -364,7 +368,7 @@ def load_latest(args, zero, opt, loader, ctx):
         except CorruptCheckpoint as e:
             ok, why = 0, str(e)
         if ctx.world > 1:
-            flag = torch.tensor([ok], dtype=torch.int64)
+            flag = torch.tensor([ok], dtype=torch.int64, device=ctx.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             ok_all = int(flag)
         else:
