@@ -22,7 +22,7 @@ Everything that is not an expert (attention, LayerNorms, embeddings, routers) is
 
     load balancing (--balance): aux = alpha*E*sum_i f_i*P_i (Switch eq. 4-6) from GLOBAL counts f_i;
       bias = DeepSeek-V3's aux-loss-free bias b_i, used for top-k selection only, b_i += gamma*sign(mean-load_i)
-    router z-loss (--z-loss) = mean logsumexp(router logits)^2 (ST-MoE sec. 3.5)
+    router z-loss (--z-loss) = mean logsumexp(router logits)^2 (ST-MoE's router z-loss)
 
 Launch:
     python moe_ep.py --experts 4 --top-k 2                                      # 1 process, all experts
@@ -34,7 +34,7 @@ global batch reproduces the 1-process loss curve step by step (tests/test_moe_ep
 
 References: Shazeer et al. 2017 (sparsely-gated MoE); Lepikhin et al. 2020, GShard sec. 2.2 (capacity,
 top-2, all-to-all dispatch); Fedus et al. 2021, Switch Transformer sec. 2.2 (capacity factor, aux loss);
-Zoph et al. 2022, ST-MoE sec. 3.5 (router z-loss); DeepSeek-AI 2024, DeepSeek-V3 sec. 2.1.2 (sigmoid
+Zoph et al. 2022, ST-MoE (router z-loss); DeepSeek-AI 2024, DeepSeek-V3 sec. 2.1.2 (sigmoid
 gates, auxiliary-loss-free balancing, shared expert); Megatron-LM / torchtitan expert parallelism.
 """
 import math
@@ -162,7 +162,7 @@ def seeded(seed, make):
     """make() under its own seed, without disturbing the global RNG: every expert's weights are a function
     of (seed, layer, expert) only, so all EP layouts build identical experts and each rank builds only its own."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # the CPU generator only: modules are built on the CPU
         return make()
 
 
@@ -193,13 +193,13 @@ class MoE(nn.Module):
 
     def route(self, h):
         """Top-k experts and gates of each token. The router runs in fp32 even under autocast: tiny logit
-        differences flip top-k choices, and exp() of bf16 logits is coarse (ST-MoE sec. 3.2)."""
+        differences flip top-k choices, and exp() of bf16 logits is coarse (Switch sec. 2.4, selective precision)."""
         with torch.autocast(h.device.type, enabled=False):
             logits = F.linear(h.float(), self.router.weight.float())
         scores = logits.softmax(-1) if self.gate == "softmax" else logits.sigmoid()
         idx = torch.topk(scores + self.bias, self.k, dim=-1).indices
         gates = scores.gather(-1, idx)
-        if self.gate == "sigmoid":  # DeepSeek-V3 eq. 13: sigmoid affinities renormalised over the chosen k
+        if self.gate == "sigmoid":  # DeepSeek-V3 sec. 2.1.2: sigmoid affinities renormalised over the chosen k
             gates = gates / gates.sum(-1, keepdim=True)
         return logits, scores, idx, gates
 
