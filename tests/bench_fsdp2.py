@@ -1,0 +1,171 @@
+"""
+tests/bench_fsdp2.py - fsdp2.py against PyTorch's torch.distributed.fsdp.fully_shard in the same run:
+same model, same units (one per Block + the root), same batches, same AdamW; step time and peak
+memory per rank. On CUDA both gather bf16 and reduce fp32 (MixedPrecisionPolicy(bf16, fp32)).
+
+    torchrun --nproc_per_node=2 tests/bench_fsdp2.py                                    # CPU, gloo, tiny
+    torchrun --nproc_per_node=2 tests/bench_fsdp2.py --reshard-after-forward 0          # ZeRO-2 / SHARD_GRAD_OP
+    torchrun --nproc_per_node=8 tests/bench_fsdp2.py --model gpt2 --seq-len 1024 --batch-size 16 --compile
+
+Peak memory = the most memory a rank held during the timed steps above what it held just before
+them (the parameter shards): activations, gathered weights, gradients, AdamW state. CUDA: the caching
+allocator's max_memory_allocated; CPU: the profiler's record of every CPU allocation
+(profile_memory=True), in a separate pass so the profiler does not slow the timed steps.
+"""
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+import fsdp2  # noqa: E402
+import gpt2  # noqa: E402
+from gpt2 import print0  # noqa: E402
+
+
+def build_ours(args, ctx):
+    model = gpt2.build_model(args).to(ctx.device)
+    fsdp = fsdp2.FullyShardedGPT(model, ctx, args, gpt2.CommMeter())
+    shards = fsdp.shards()
+    opt = gpt2.make_adamw([{"params": [s for s in shards if s.dim() >= 2], "weight_decay": args.weight_decay},
+                           {"params": [s for s in shards if s.dim() < 2], "weight_decay": 0.0}], args, ctx.device)
+
+    def step(x, y):
+        with ctx.autocast():
+            loss = fsdp.forward(x, y)
+        loss.backward()
+        fsdp.finish_backward()
+        fsdp.clip_grad_norm_(args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step, fsdp.comm
+
+
+def build_fully_shard(args, ctx):
+    model = gpt2.build_model(args).to(ctx.device)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+    mp = MixedPrecisionPolicy(param_dtype=ctx.dtype, reduce_dtype=torch.float32) if ctx.device.type == "cuda" else MixedPrecisionPolicy()
+    for i, block in enumerate(model.h):
+        if args.compile:  # torchtitan's order: compile each block, then shard it
+            block = torch.compile(block)
+            model.h[i] = block
+        fully_shard(block, mesh=mesh, reshard_after_forward=bool(args.reshard_after_forward), mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=bool(args.reshard_after_forward), mp_policy=mp)
+    opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
+
+    def step(x, y):
+        with ctx.autocast():
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step, None
+
+
+def batches(args, ctx, n):
+    """Random tokens: the same n batches for both implementations (each rank its own rows)."""
+    g = torch.Generator().manual_seed(1000 + ctx.rank)
+    rows = [torch.randint(0, 50257, (args.batch_size, args.seq_len + 1), generator=g).to(ctx.device) for _ in range(n)]
+    return [(r[:, :-1].contiguous(), r[:, 1:].contiguous()) for r in rows]
+
+
+def sync(ctx):
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+def cpu_peak_from_profile(prof):
+    """Max over the profiler's [memory] events of the bytes allocated since the profile began."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = [e for e in json.load(open(f.name))["traceEvents"] if e.get("name") == "[memory]"]
+    events = [e["args"] for e in events if e["args"].get("Device Type", 0) == 0]
+    if not events:
+        return 0.0
+    start = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return max(e["Total Allocated"] for e in events) - start
+
+
+def peak_memory_mb(build, args, ctx, data):
+    """Build, run one step (AdamW state now exists), then measure the next steps' peak."""
+    gc.collect()
+    step, _ = build(args, ctx)
+    step(*data[0])
+    sync(ctx)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        before = torch.cuda.memory_allocated(ctx.device)
+        for x, y in data[1:3]:
+            step(x, y)
+        sync(ctx)
+        peak = torch.cuda.max_memory_allocated(ctx.device) - before
+    else:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            for x, y in data[1:3]:
+                step(x, y)
+        peak = cpu_peak_from_profile(prof)
+    del step
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return peak / 1e6
+
+
+def main():
+    p = gpt2.make_parser("fsdp2.py vs fully_shard: step time and peak memory in one run.")
+    p.add_argument("--reshard-after-forward", type=int, default=1, choices=[0, 1], help="1 = ZeRO-3, 0 = ZeRO-2")
+    p.add_argument("--rounds", type=int, default=3, help="timing rounds; each times --steps steps of each, alternating")
+    p.set_defaults(steps=5, seq_len=128, batch_size=4)
+    args = p.parse_args()
+    ctx = gpt2.setup(args)
+    impls = {"fsdp2.py": build_ours, "fully_shard": build_fully_shard}
+    data = batches(args, ctx, 3 + args.rounds * args.steps)
+    peaks = {name: peak_memory_mb(build, args, ctx, data) for name, build in impls.items()}
+
+    steps, comm, times, losses = {}, None, {name: [] for name in impls}, {name: [] for name in impls}
+    for name, build in impls.items():
+        steps[name], meter = build(args, ctx)
+        comm = meter or comm
+        losses[name].append(steps[name](*data[0]).item())  # warm-up (and compile) step, not timed
+    comm.take_mb()
+    for r in range(args.rounds):  # alternate, so a slow moment of the machine hits both alike
+        for name in impls:
+            for x, y in data[3 + r * args.steps: 3 + (r + 1) * args.steps]:
+                sync(ctx)
+                t0 = time.perf_counter()
+                losses[name].append(steps[name](x, y).item())
+                sync(ctx)
+                times[name].append(time.perf_counter() - t0)
+    comm_mb = comm.take_mb() / (args.rounds * args.steps)
+    # the slowest rank sets the pace; the largest peak sets the memory a job needs
+    stats = torch.tensor([[statistics.median(times[n]) * 1e3, peaks[n]] for n in impls], device=ctx.device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    (t_ours, m_ours), (t_fs, m_fs) = stats.tolist()
+    same = max(abs(a - b) / abs(b) for a, b in zip(losses["fsdp2.py"], losses["fully_shard"]))
+    mode = "ZeRO-3" if args.reshard_after_forward else "ZeRO-2"
+    print0(f"\n{args.model} (n_layer={args.n_layer or gpt2.MODELS[args.model].n_layer}) | {ctx.world} ranks | "
+           f"{ctx.device.type} {ctx.dtype} | B={args.batch_size} T={args.seq_len} | {mode} | "
+           f"{args.rounds}x{args.steps} timed steps each, median")
+    print0(f"| {'':28s} | {'fsdp2.py':>10s} | {'fully_shard':>11s} | {'ratio':>6s} |")
+    print0(f"|{'-' * 30}|{'-' * 12}|{'-' * 13}|{'-' * 8}|")
+    print0(f"| {'step time (ms)':28s} | {t_ours:10.1f} | {t_fs:11.1f} | {t_ours / t_fs:6.3f} |")
+    print0(f"| {'peak memory / rank (MB)':28s} | {m_ours:10.1f} | {m_fs:11.1f} | {m_ours / m_fs:6.3f} |")
+    print0(f"| {'comm / step / rank (MB)':28s} | {comm_mb:10.2f} | {'':11s} | {'':6s} |")
+    print0(f"loss curves (same batches) max relative difference: {same:.2e}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
