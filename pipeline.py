@@ -618,7 +618,7 @@ def draw_schedule(ranks, path, title, pale):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
-    colours = {"F": "#4C72B0", "B": "#55A868", "I": "#8BD3A0", "W": "#DD8452"}
+    colours = {"F": "#4C72B0", "B": "#55A868", "I": "#8172B3", "W": "#DD8452"}
     names = {"F": "F forward", "B": "B backward", "I": "I backward for inputs", "W": "W backward for weights"}
     t0 = min(a for r in ranks for _, a, _ in r)
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.2))
@@ -632,7 +632,7 @@ def draw_schedule(ranks, path, title, pale):
     ax.set_xlabel("ms since the step started (numbers: micro-batch)")
     ax.set_title(title)
     ax.legend(handles=[Patch(color=c, label=names[k]) for k, c in colours.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.35), ncol=4, fontsize=8)
+              bbox_to_anchor=(0.5, -0.3), ncol=4, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -203,6 +203,7 @@ def baselines(random_data, tmp_path_factory):
         d = str(tmp_path_factory.mktemp("base_" + key))
         gpt2.train(["--data", random_data, "--out", d] + SMALL + extra)
         out[key] = losses(d)
+        out[key + "_train"] = [r["loss"] for r in read_metrics(d) if "loss" in r]
     return out
 
 
@@ -223,6 +224,10 @@ def test_two_ranks_every_schedule(random_data, tmp_path, baselines):
         assert [[tuple(s[0]) for s in spans] for spans in sched["spans"]] == \
                [[tuple(op) for op in pl.SCHEDULES[name](2, 4, r)] for r in range(2)]
         assert 0.0 < sched["bubble"] < 1.0 and os.path.getsize(os.path.join(d, "schedule.png")) > 10_000
+    # bytes rank 0 sends in a 1f1b step: M activations of (B/M, T, E) fp32, the tied wte's all-reduce
+    # (2(n-1)/n of it, n=2), and the 4-byte loss and grad-norm all-reduces
+    step0 = read_metrics(os.path.join(str(tmp_path), "1f1b"))[0]
+    assert abs(step0["comm_mb"] * 1e6 - (4 * 2 * 16 * 32 * 4 + 50304 * 32 * 4 + 4 + 4)) < 1e-3
     # activations held: GPipe all M, 1F1B P - rank, DualPipe P + 1 (DeepSeek-V3 table 2)
     held = {n: json.load(open(os.path.join(str(tmp_path), n, "schedule.json")))["peak_held"] for n in pl.SCHEDULE_NAMES}
     assert held["gpipe"] == [4, 4] and held["1f1b"] == [2, 1] and held["dualpipe"] == [3, 3]
@@ -235,7 +240,7 @@ def _four_rank_worker(rank, world, data, out):
             "dualpipev": ["--schedule", "dualpipev", "--micro-batches", "8", "--batch-size", "8", "--n-layer", "8"],
             "1f1b_dp2": ["--schedule", "1f1b", "--micro-batches", "2", "--batch-size", "4", "--dp", "2"]}
     for key, argv in runs.items():
-        pl.train(argv + ["--data", data, "--out", os.path.join(out, key)] + SMALL)
+        pl.train(argv + ["--data", data, "--out", os.path.join(out, key)] + SMALL + ["--eval-every", "0"])
     return True
 
 
@@ -243,7 +248,8 @@ def test_four_ranks(random_data, tmp_path, baselines):
     run_distributed(_four_rank_worker, 4, random_data, str(tmp_path), timeout=300)
     # 1f1b_dp2: two replicas of 4 rows each are the baseline's batch of 8
     for key, base in {"dualpipe": "L4B8", "dualpipev": "L8B8", "1f1b_dp2": "L4B8"}.items():
-        assert max_rel_diff(losses(os.path.join(str(tmp_path), key)), baselines[base]) <= 1e-4, key
+        train = [r["loss"] for r in read_metrics(os.path.join(str(tmp_path), key))]
+        assert len(train) == 8 and max_rel_diff(train, baselines[base + "_train"]) <= 1e-4, key
     held = json.load(open(os.path.join(str(tmp_path), "dualpipe", "schedule.json")))["peak_held"]
     assert held == [5, 5, 5, 5]  # DualPipe holds P + 1 micro-batches' activations per rank
 
