@@ -28,10 +28,10 @@ the optimizer work of the whole matrices it owns in between:
 reduce-scatter + all-gather move the same bytes as the all-reduce they replace, so Muon's extra
 compute is divided by the number of ranks at no extra communication (only the padding of unequal shares).
 
-Launch:
-    python muon.py --data D                                   # one process, Muon + AdamW
-    torchrun --nproc_per_node=2 muon.py --data D --batch-size 4   # same curve as --batch-size 8 above
-    python muon.py --data D --optimizer adamw --lr 3e-3       # the AdamW-only baseline, same loop
+Launch (the learning rates are the ones tuned for the tiny model on tinyshakespeare, see the README):
+    python muon.py --data D --lr 3e-3                        # Muon at 0.02 on the blocks, AdamW at 3e-3 on the rest
+    torchrun --nproc_per_node=2 muon.py --data D --lr 3e-3 --batch-size 4   # the same curve, two ranks
+    python muon.py --data D --optimizer adamw --lr 1e-3      # the AdamW-only baseline, same loop
     torchrun --nproc_per_node=8 muon.py --model gpt2 --data data/fineweb10B --batch-size 16 \\
         --grad-accum 4 --seq-len 1024 --lr 6e-4 --compile      # on GPUs: bf16 autocast, NS in bf16
 
@@ -252,7 +252,8 @@ def split_params(model, optimizer):
 
 
 def make_parser():
-    p = gpt2.make_parser("Train GPT-2 with Muon on the block matrices and AdamW on the rest, data parallel.")
+    p = gpt2.make_parser("Train GPT-2 with Muon on the block matrices and AdamW on the rest, data parallel. "
+                         "--lr is AdamW's; --weight-decay applies to both (Muon: p *= 1 - muon_lr * wd).")
     a = p.add_argument
     a("--optimizer", default="muon", choices=["muon", "adamw"], help="muon = Muon + AdamW; adamw = AdamW only (the baseline)")
     a("--muon-lr", type=float, help="Muon's peak lr, on the same warmup/cosine schedule as --lr "
