@@ -98,6 +98,7 @@ def main():
                 with ctx.autocast():
                     loss = model(x, y)
                 loss.backward()
+                tp.sync_grads(model, grid)  # SP: LayerNorm/bias/wpe grads summed over TP
                 tp.clip_grad_norm(model, grid, args.grad_clip)
             else:
                 loss = dtensor_step(model, pad, x, y, ctx)
