@@ -254,7 +254,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, grid, pieces=1):
         super().__init__()
         self.grid = grid
-        self.weight, self.bias = split_param(linear.weight, grid, 0, pieces), split_param(linear.bias, grid, 0, pieces)
+        self.weight = split_param(linear.weight, grid, 0, pieces)
+        self.bias = split_param(linear.bias, grid, 0, pieces)
 
     def forward(self, x):
         if self.grid.sequence_parallel and self.grid.tp > 1 and torch.is_grad_enabled():
@@ -357,7 +358,10 @@ class TensorParallelGPT(nn.Module):
 
     def forward_blocks(self, x):
         for block in self.h:
-            x = checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing and self.training else block(x)
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, use_reentrant=False)  # recomputation repeats the block's collectives
+            else:
+                x = block(x)
         return x
 
     def forward(self, idx, targets):
@@ -385,19 +389,23 @@ class TensorParallelGPT(nn.Module):
 # Gradients across the grid
 
 
+def all_reduce_bucket(grads, grid, group):
+    """One flat buffer, one collective (instead of one per tensor), then copied back."""
+    flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), grid, group)
+    torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
 def sync_grads(model, grid):
     """(1) With sequence parallelism each rank saw T/t tokens in the LayerNorms, the row-parallel biases
-    and wpe: sum their grads over TP (Korthikanti et al. section 4.2.2). (2) Average every grad over DP,
-    one flat bucket. Without SP the replicated grads are already identical across TP."""
+    and wpe: sum their grads over TP (Korthikanti et al. section 4.2.2). (2) Average every grad over DP.
+    Without SP the replicated grads are already identical across TP."""
     params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
     if grid.sequence_parallel and grid.tp > 1:
-        replicated = [p.grad for p in params if not hasattr(p, "tp_split")]
-        flat = all_reduce(torch.cat([g.reshape(-1) for g in replicated]), grid)
-        torch._foreach_copy_(replicated, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in replicated]), replicated)])
+        all_reduce_bucket([p.grad for p in params if not hasattr(p, "tp_split")], grid, "tp")
     if grid.dp > 1:
-        grads = [p.grad for p in params]
-        flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), grid, group="dp").div_(grid.dp)
-        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        torch._foreach_div_(grads, grid.dp)  # the mean over DP of each rank's mean loss gradient
+        all_reduce_bucket(grads, grid, "dp")
 
 
 def clip_grad_norm(model, grid, max_norm):
