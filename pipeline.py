@@ -621,7 +621,7 @@ def draw_schedule(ranks, path, title, pale):
     colours = {"F": "#4C72B0", "B": "#55A868", "I": "#8172B3", "W": "#DD8452"}
     names = {"F": "F forward", "B": "B backward", "I": "I backward for inputs", "W": "W backward for weights"}
     t0 = min(a for r in ranks for _, a, _ in r)
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.2))
+    fig, ax = plt.subplots(figsize=(13, 0.6 * len(ranks) + 1.5))
     for row, spans in enumerate(ranks):
         for op, a, b in spans:
             ax.barh(row, b - a, left=a - t0, color=colours[op.kind], edgecolor="black", linewidth=0.5,
@@ -631,8 +631,8 @@ def draw_schedule(ranks, path, title, pale):
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step started (numbers: micro-batch)")
     ax.set_title(title)
-    ax.legend(handles=[Patch(color=c, label=names[k]) for k, c in colours.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.3), ncol=4, fontsize=8)
+    ax.legend(handles=[Patch(color=c, label=names[k]) for k, c in colours.items()], loc="upper left",
+              bbox_to_anchor=(1.005, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
