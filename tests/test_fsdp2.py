@@ -50,7 +50,7 @@ def fully_shard_train(args, rank, world, reshard_after_forward):
         for g in opt.param_groups:
             g["lr"] = gpt2.lr_at(step, args)
         x, y = loader.next_batch()
-        _, loss = model(x, y)
+        loss = model(x, y)[1]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
