@@ -30,7 +30,7 @@ Launch:
     torchrun --nproc_per_node=2 checkpoint.py --ckpt-dir out/ckpt --save-every 50   # resumes if it can
     torchrun --nproc_per_node=8 checkpoint.py --model gpt2 --data data/fineweb10B --batch-size 16 \\
         --grad-accum 4 --compile --ckpt-dir /scratch/ckpt --save-every 250 --keep 3
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --max-restarts 3 --nproc_per_node=8 \
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --max-restarts 3 --nproc_per_node=8 \\
         checkpoint.py ...    # a dead worker restarts the job, which resumes from the last commit. The env
         # var gives each attempt a fresh TCPStore: a shared one keeps the dead attempt's addresses and the
         # new ranks may connect to them (pytorch/pytorch#135712; seen here with gloo in torch 2.13)
@@ -72,11 +72,14 @@ class Zero1:
 
     def __init__(self, model, args, ctx, comm):
         self.ctx, self.comm, self.world = ctx, comm, ctx.world
+        self.config = dict(model.config.__dict__)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # the tied wte counts once
         named = [np_ for np_ in named if np_[1].dim() >= 2] + [np_ for np_ in named if np_[1].dim() < 2]
         self.numel = sum(p.numel() for _, p in named)
         self.n_decay = sum(p.numel() for _, p in named if p.dim() >= 2)
         self.shard = -(-self.numel // self.world)  # ceil: pad so every rank holds an equal slice
+        if (self.world - 1) * self.shard >= self.numel:  # same verdict on every rank: no hang
+            raise ValueError(f"{self.world} ranks for {self.numel} parameters: the last rank would hold nothing")
         self.flat = torch.zeros(self.shard * self.world, device=ctx.device, dtype=torch.float32)
         self.grad = torch.zeros_like(self.flat)
         self.layout, off = [], 0
@@ -251,7 +254,7 @@ class AsyncCheckpointer:
         self.wait()  # a new save waits for the previous one (and reuses its buffers)
         tensors, event = self.snapshot(opt)
         meta = {"step": step, "rank": self.ctx.rank, "world": self.ctx.world, "lo": self.zero.lo,
-                "hi": self.zero.hi, "loader": loader.state_dict()}
+                "hi": self.zero.hi, "loader": loader.state_dict(), "config": self.zero.config}
         if self.ctx.world > 1:
             self.comm.all_gather(self.ctx.world * 41, self.ctx.world)  # the writer's commit handshake
         self.thread = threading.Thread(target=self._write_and_commit, args=(step, tensors, meta, event), daemon=True)
@@ -295,7 +298,7 @@ class AsyncCheckpointer:
             shards.append({"file": f"rank{r:05d}-of-{W:05d}.safetensors", "lo": r * z.shard, "hi": min((r + 1) * z.shard, z.numel),
                            "bytes": int.from_bytes(rep[1:9], "little"), "sha256": rep[9:].hex()})
         a = self.args
-        manifest = {"format": 1, "step": step, "world": W, "numel": z.numel, "layout": z.layout, "loader": loader_state,
+        manifest = {"format": 1, "step": step, "world": W, "numel": z.numel, "config": z.config, "layout": z.layout, "loader": loader_state,
                     "global_batch": W * a.batch_size * a.grad_accum, "seq_len": a.seq_len, "shards": shards}
         path = os.path.join(d, "manifest.json")
         with open(path + ".tmp", "w") as f:

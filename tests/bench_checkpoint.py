@@ -96,7 +96,8 @@ def main():
         for p_, (a, b, _) in zip(zero.params, zero.pieces):
             m[a - lo: b - lo], v[a - lo: b - lo] = opt.state[p_]["exp_avg"], opt.state[p_]["exp_avg_sq"]
         shard = lambda t: DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=(n * ctx.world,), stride=(1,))
-        return {"params": shard(zero.flat[lo: lo + n]), "exp_avg": shard(m), "exp_avg_sq": shard(v)}
+        # a copy of the params: DCP's async staging rejects a view into a larger storage (torch 2.13)
+        return {"params": shard(zero.flat[lo: lo + n].clone()), "exp_avg": shard(m), "exp_avg_sq": shard(v)}
 
     for name, save in (("torch DCP save", dcp.save), ("torch DCP async_save", dcp.async_save)):
         blocked, durable, load = [], [], []
