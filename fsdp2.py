@@ -178,9 +178,10 @@ class FullyShardedGPT:
     def __init__(self, model, ctx, args, comm):
         self.model, self.ctx, self.comm = model, ctx, comm
         self.reshard_after_forward = bool(args.reshard_after_forward)
-        # on CUDA with bf16 autocast, gather bf16 copies (half the bytes) and keep fp32 masters;
-        # gradients are reduced in fp32 either way (FSDP2's MixedPrecisionPolicy(bf16, fp32))
-        param_dtype = ctx.dtype if ctx.device.type == "cuda" else torch.float32
+        # with bf16 autocast (CUDA's default, or --dtype bfloat16), gather bf16 copies (half the
+        # bytes) and keep fp32 masters; gradients are reduced in fp32 either way: FSDP2's
+        # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+        param_dtype = ctx.dtype
         groups = [("root", [model.wte, model.wpe, model.ln_f, model.lm_head])]
         groups += [(f"h.{i}", [block]) for i, block in enumerate(model.h)]
         self.units, to_full = [], {}

@@ -35,14 +35,17 @@ def baseline(shakespeare, tmp_path_factory):
 
 
 def fully_shard_train(args, rank, world, reshard_after_forward):
-    """The same model, batches and loop with PyTorch's FSDP2: a unit per Block plus the root."""
+    """The same model, batches and loop with PyTorch's FSDP2: a unit per Block plus the root; with
+    --dtype bfloat16, bf16 gathers and fp32 reductions under CPU autocast, as fsdp2.py does."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh("cpu", (world,))
+    bf16 = args.dtype == "bfloat16"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     model = gpt2.build_model(args)
     for block in model.h:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, torch.device("cpu"))
     loader, _ = gpt2.make_loaders(args, rank, world)
     losses = []
@@ -50,12 +53,13 @@ def fully_shard_train(args, rank, world, reshard_after_forward):
         for g in opt.param_groups:
             g["lr"] = gpt2.lr_at(step, args)
         x, y = loader.next_batch()
-        loss = model(x, y)[1]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(x, y)[1]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss = loss.detach()
+        loss = loss.detach().float()
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
     return {k: v.full_tensor() for k, v in model.state_dict().items()}, losses
@@ -73,6 +77,11 @@ def ours_vs_fully_shard(rank, world, argv, reshard, other_mode_out=None):
     found = inspect_sharding(fsdp, opt) if world == 2 else {"max_gathered_trained": fsdp.max_gathered_blocks}
     args = gpt2.make_parser("").parse_args(argv)
     theirs, their_losses = fully_shard_train(args, rank, world, bool(reshard))
+    if world == 2:  # mixed precision: bf16 gathers, fp32 reductions, against fully_shard's policy
+        argv_bf16 = argv + ["--dtype", "bfloat16", "--steps", "4", "--out", out + "_bf16"]
+        fsdp_bf16, _ = fsdp2.train(argv_bf16 + ["--reshard-after-forward", str(reshard)])
+        found["gathered_dtype_bf16"] = str(fsdp_bf16.root.full[0].dtype)
+        found["fully_shard_bf16_losses"] = fully_shard_train(gpt2.make_parser("").parse_args(argv_bf16), rank, world, bool(reshard))[1]
     if rank != 0:
         return None
     ours = torch.load(os.path.join(out, "model.pt"), weights_only=True)["model"]
@@ -109,7 +118,8 @@ def inspect_sharding(fsdp, opt):
 
 def test_both_modes_match_single_process_and_fully_shard_2_ranks(baseline, shakespeare, tmp_path):
     """2 ranks x 4 sequences = gpt2.py train with 8, ZeRO-3 and ZeRO-2; ZeRO-2 also against
-    fully_shard(reshard_after_forward=False); then 1/N slices, the freeing, the traffic formula."""
+    fully_shard(reshard_after_forward=False), in fp32 and in bf16 mixed precision; then 1/N slices,
+    the freeing, the traffic formula."""
     out, out3 = str(tmp_path / "zero2"), str(tmp_path / "zero3")
     argv = [*TINY, "--data", shakespeare, "--batch-size", "4", "--out", out]
     diff, ours, theirs, r = run_distributed(ours_vs_fully_shard, 2, argv, 0, out3, timeout=300)[0]
@@ -134,11 +144,15 @@ def test_both_modes_match_single_process_and_fully_shard_2_ranks(baseline, shake
     # traffic per step, (n-1)/n of the full fp32 bytes per collective, plus the two 4-byte
     # all-reduces (grad norm, loss): ZeRO-2 gathers every unit once = DDP's all-reduce volume;
     # ZeRO-3 gathers the blocks twice (the root once, it stays until its backward)
+    # --dtype bfloat16: gathers of 2-byte weights, reductions still 4-byte fp32
     P, n_root = r["n_total"], r["n_root"]
-    for path, gathers in ((out, 1), (out3, 2)):
-        theory = (0.5 * 4 * (gathers * (P - n_root) + n_root + P) + 2 * 2 * 0.5 * 4) / 1e6
+    for path, gathers, pbytes in ((out, 1, 4), (out3, 2, 4), (out + "_bf16", 1, 2)):
+        theory = (0.5 * (pbytes * (gathers * (P - n_root) + n_root) + 4 * P) + 2 * 2 * 0.5 * 4) / 1e6
         comm = [rec["comm_mb"] for rec in read_metrics(path) if "loss" in rec]
-        assert len(comm) == STEPS and all(abs(c - theory) < 1e-9 for c in comm), (comm, theory)
+        assert len(comm) in (STEPS, 4) and all(abs(c - theory) < 1e-9 for c in comm), (comm, theory)
+    assert r["gathered_dtype_bf16"] == "torch.bfloat16"
+    bf16 = train_losses(out + "_bf16")
+    assert max_rel_diff(bf16, r["fully_shard_bf16_losses"]) <= 1e-3 and max_rel_diff(bf16, ref[:4]) > 1e-6
 
 
 def test_same_parameters_as_fully_shard_and_single_process_4_ranks(baseline, shakespeare, tmp_path):
