@@ -307,6 +307,7 @@ class AsyncCheckpointer:
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
         fsync_dir(d)
+        fsync_dir(self.args.ckpt_dir)  # and the step directory's own entry
         self.prune(step)
 
     def prune(self, newest):

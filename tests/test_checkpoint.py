@@ -97,9 +97,9 @@ def test_sigkill_while_saving_leaves_a_resumable_checkpoint(straight, shakespear
     procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                                    "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"}) for r in range(2)]
-    def saving():  # a save of step >= 6 has begun (its directory exists) but is not committed yet
+    def saving():  # a save of step >= 14 has begun (its directory exists) but is not committed yet
         ds = os.listdir(ck) if os.path.isdir(ck) else []
-        return [d for d in ds if int(d[5:]) >= 6 and not os.path.exists(f"{ck}/{d}/manifest.json")]
+        return [d for d in ds if int(d[5:]) >= 14 and not os.path.exists(f"{ck}/{d}/manifest.json")]
 
     try:
         deadline = time.time() + 300
@@ -113,7 +113,7 @@ def test_sigkill_while_saving_leaves_a_resumable_checkpoint(straight, shakespear
             p.wait()
     committed = [int(d[5:]) for d in os.listdir(ck) if os.path.exists(f"{ck}/{d}/manifest.json")]
     uncommitted = [int(d[5:]) for d in os.listdir(ck) if int(d[5:]) > max(committed)]
-    assert 4 <= max(committed) < STEPS
+    assert 12 <= max(committed) < STEPS
     out_dir = str(tmp_path / "killed")
     checkpoint.main(flags(shakespeare, out_dir, 8, "--ckpt-dir", ck))  # resume on 1 rank, same --out
     out = capsys.readouterr().out
