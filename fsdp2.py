@@ -160,11 +160,10 @@ class ShardedUnit:
         """Add the reduced slice (averaged over ranks, like DDP) into each shard's .grad."""
         out /= self.world
         for s, piece in zip(self.shards, out.split(self.numels)):
-            piece = piece.view_as(s)
             if s.grad is None:
-                s.grad = piece.clone()
+                s.grad = piece.view_as(s)  # a view: the reduced buffer becomes the gradient, no copy
             else:
-                s.grad += piece
+                s.grad += piece.view_as(s)
 
 
 # ----------------------------------------------------------------------------------------------------
