@@ -69,7 +69,7 @@ def main():
     loader = FixedLoader()
     rows = {}
 
-    # ours: snapshot to CPU, write + fsync + sha256 in a thread, rank 0 commits the manifest
+    # ours: snapshot to CPU, write + fsync + crc32 in a thread, rank 0 commits the manifest
     ck = checkpoint.AsyncCheckpointer(args, ctx, zero, comm)
     blocked, durable, load = [], [], []
     for r in range(args.repeats):
@@ -85,7 +85,7 @@ def main():
         t0 = time.perf_counter()
         assert checkpoint.load_latest(args, zero, opt, loader, ctx) == r + 1
         load.append(slowest(time.perf_counter() - t0, ctx))
-    rows["checkpoint.py (async, sha256)"] = (blocked, durable, load, dir_mb(checkpoint.step_dir(args.ckpt_dir, args.repeats)))
+    rows["checkpoint.py (async, crc32)"] = (blocked, durable, load, dir_mb(checkpoint.step_dir(args.ckpt_dir, args.repeats)))
 
     # DCP: the same slices as DTensors sharded on a 1-D mesh (padded equally, as ZeRO-1 pads them)
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
