@@ -54,11 +54,7 @@ import torch
 import torch.distributed as dist
 
 import gpt2
-from gpt2 import print0
-
-# torch 2.13 renamed the single-tensor collectives (same signature); older versions have the old names
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from gpt2 import all_gather_single, print0, reduce_scatter_single
 
 # ----------------------------------------------------------------------------------------------------
 # ZeRO-1: flat fp32 parameters and gradients, AdamW on this rank's slice only

@@ -58,10 +58,6 @@ from torch.utils.checkpoint import checkpoint
 import gpt2
 from gpt2 import print0
 
-# torch 2.13 renamed the flat collectives; 2.11-2.12 only have the old names
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 # ----------------------------------------------------------------------------------------------------
 # A unit: its parameters sharded on dim 0, gathered and reduce-scattered as one flat buffer
@@ -109,7 +105,7 @@ class ShardedUnit:
         with torch.no_grad():
             flat = torch.cat([s.reshape(-1) for s in self.shards]).to(dtype)
         out = torch.empty(self.world * self.shard_numel, dtype=dtype, device=self.device)
-        work = all_gather_flat(out, flat, async_op=async_op)
+        work = gpt2.all_gather_single(out, flat, async_op=async_op)
         self.comm.all_gather(out.nbytes, self.world)
         return work, out.view(self.world, self.shard_numel)
 
@@ -152,7 +148,7 @@ class ShardedUnit:
             buf[:, off: off + n].view(self.world, r, *g.shape[1:]).copy_(g.view(self.world, r, *g.shape[1:]))
             p.grad = None
         out = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
-        work = reduce_scatter_flat(out, buf.view(-1), op=dist.ReduceOp.SUM, async_op=True)
+        work = gpt2.reduce_scatter_single(out, buf.view(-1), op=dist.ReduceOp.SUM, async_op=True)
         self.comm.reduce_scatter(buf.nbytes, self.world)
         return work, out, buf
 

@@ -44,6 +44,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+# torch 2.13 renamed the flat collectives reduce_scatter_tensor / all_gather_into_tensor (the old names
+# warn there) and torch 2.11-2.12 have only the old ones: every file calls them through these names
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 # ----------------------------------------------------------------------------------------------------
 # Model
 
@@ -124,9 +129,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as in GPT-2: one matrix reads and writes tokens
         self.activation_checkpointing = False
-        self.apply(self._init_weights)
+        self.apply(self.init_weights)
 
-    def _init_weights(self, m):
+    def init_weights(self, m):
         if isinstance(m, nn.Linear):
             # GPT-2 section 2.3: scale residual projections by 1/sqrt(N) with N = 2 adds per block,
             # so the residual stream's variance does not grow with depth
@@ -585,6 +590,9 @@ class CommMeter:
 
     reduce_scatter = all_gather
 
+    def broadcast(self, nbytes, n):  # pipelined along a chain: each rank forwards about (n-1)/n of it
+        self.bytes += (n - 1) / n * nbytes
+
     def send(self, nbytes):
         self.bytes += nbytes
 
@@ -844,7 +852,7 @@ def train(argv=None):
         for _ in range(args.grad_accum):
             x, y = train_loader.next_batch()
             with ctx.autocast():
-                _, loss = fwd(x.to(ctx.device), y.to(ctx.device))
+                loss = fwd(x.to(ctx.device), y.to(ctx.device))[1]  # drop the logits before backward: B*T*V floats
             loss = loss / args.grad_accum  # the gradient of the mean over all micro-batches
             loss_sum += loss.detach()
             loss.backward()

@@ -284,7 +284,7 @@ def build_moe_model(args, ep_rank=0, group=None, meter=None):
     """gpt2.build_model (same seed, same dense weights), with every block's MLP replaced by an MoE layer."""
     model = gpt2.build_model(args)
     for i, block in enumerate(model.h):
-        block.mlp = MoE(model.config, args, i, model._init_weights, ep_rank, group, meter)
+        block.mlp = MoE(model.config, args, i, model.init_weights, ep_rank, group, meter)
     return model
 
 

@@ -49,11 +49,7 @@ import torch
 import torch.distributed as dist
 
 import gpt2
-from gpt2 import print0
-
-# torch 2.13 renamed the single-tensor collectives; the old names (2.11, 2.12) still work there
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from gpt2 import all_gather_single, print0, reduce_scatter_single
 
 # ----------------------------------------------------------------------------------------------------
 # Newton-Schulz orthogonalisation

@@ -61,10 +61,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import gpt2
-
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names still work, with a warning)
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from gpt2 import all_gather_single, reduce_scatter_single
 
 # ----------------------------------------------------------------------------------------------------
 # The rank grid

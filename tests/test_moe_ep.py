@@ -49,7 +49,7 @@ def layer_args(**kw):
 
 
 def moe_layer(ep_rank=0, group=None, **kw):
-    return moe_ep.MoE(CFG, layer_args(**kw), 0, gpt2.GPT(CFG)._init_weights, ep_rank, group)
+    return moe_ep.MoE(CFG, layer_args(**kw), 0, gpt2.GPT(CFG).init_weights, ep_rank, group)
 
 
 # -- single process ---------------------------------------------------------------------------------------
