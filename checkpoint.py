@@ -413,19 +413,6 @@ def load_latest(args, zero, opt, loader, ctx):
 # Training: gpt2.train's loop on ZeRO-1, with saves and resume
 
 
-def read_old_metrics(path):
-    """What an earlier attempt logged (a line cut short by a kill is dropped)."""
-    recs = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    recs.append(json.loads(line))
-                except ValueError:
-                    pass
-    return recs
-
-
 def main(argv=None):
     p = gpt2.make_parser("GPT-2 on ZeRO-1 with sharded, asynchronous, crash-safe checkpoints and resharding resume.")
     p.add_argument("--ckpt-dir", help="checkpoint directory; the newest valid checkpoint in it is resumed")
@@ -455,7 +442,6 @@ def main(argv=None):
     opt = gpt2.make_adamw(zero.optimizer_groups(), args, ctx.device)
     train_loader, val_loader = gpt2.make_loaders(args, ctx.rank, ctx.world, cfg.vocab_size)
     ckpt = AsyncCheckpointer(args, ctx, zero, comm) if args.ckpt_dir else None
-    old = read_old_metrics(os.path.join(args.out, "metrics.jsonl")) if ctx.master else []
     start = load_latest(args, zero, opt, train_loader, ctx)
     if start >= args.steps:
         print0(f"checkpoint at step {start} >= --steps {args.steps}: nothing left to train")
@@ -463,10 +449,9 @@ def main(argv=None):
             dist.destroy_process_group()
         return
     fwd = torch.compile(model) if args.compile else model
-    metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), ctx.world * args.batch_size * args.seq_len * args.grad_accum)
-    for rec in old:  # the resumed run's metrics.jsonl carries the whole curve, not just its own steps
-        if rec["step"] < start:
-            metrics._write(rec)
+    # the resumed run's metrics.jsonl carries the whole curve, not just its own steps
+    metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), ctx.world * args.batch_size * args.seq_len * args.grad_accum,
+                           resume_step=start)
     profiler = gpt2.Profiler(args, ctx)
     print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {ctx.world} ranks x "
            f"{zero.shard:,} flat params each | device {ctx.device} {ctx.dtype}")
@@ -481,9 +466,7 @@ def main(argv=None):
             os._exit(1)
         profiler.step(step)
         metrics.start_step()
-        lr = gpt2.lr_at(step, args)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        lr = gpt2.set_lr(opt, step, args)
         loss_sum = torch.zeros((), device=ctx.device)
         for _ in range(args.grad_accum):
             x, y = train_loader.next_batch()

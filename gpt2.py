@@ -297,6 +297,14 @@ def lr_at(step, args):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - min_lr)
 
 
+def set_lr(opt, step, args):
+    """Put step's scheduled learning rate into every param group of opt; returns it."""
+    lr = lr_at(step, args)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    return lr
+
+
 # ----------------------------------------------------------------------------------------------------
 # Data: the speedrun's shard format and a loader whose global batch does not depend on world size
 
@@ -621,7 +629,7 @@ def peak_memory_mb(device):
 class Metrics:
     """OUT/metrics.jsonl (one line per step and per validation) and OUT/loss.png, written by rank 0."""
 
-    def __init__(self, args, ctx: Context, cfg: GPTConfig, n_params, tokens_per_step):
+    def __init__(self, args, ctx: Context, cfg: GPTConfig, n_params, tokens_per_step, resume_step=0):
         self.args, self.ctx, self.records = args, ctx, []
         self.tokens_per_step = tokens_per_step
         self.flops_per_step = flops_per_token(cfg, n_params, args.seq_len) * tokens_per_step
@@ -629,7 +637,15 @@ class Metrics:
         self.peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
         self.path = os.path.join(args.out, "metrics.jsonl")
         if ctx.master:
-            open(self.path, "w").close()
+            if resume_step and os.path.exists(self.path):  # a resumed run keeps the curve before its start
+                with open(self.path) as f:
+                    for line in f:
+                        with contextlib.suppress(ValueError):  # a line cut short by a kill is dropped
+                            rec = json.loads(line)
+                            if rec["step"] < resume_step:
+                                self.records.append(rec)
+            with open(self.path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.records)
         self.t0 = None
 
     def start_step(self):
@@ -845,9 +861,7 @@ def train(argv=None):
     for step in range(args.steps):
         profiler.step(step)
         metrics.start_step()
-        lr = lr_at(step, args)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        lr = set_lr(opt, step, args)
         loss_sum = torch.zeros((), device=ctx.device)
         for _ in range(args.grad_accum):
             x, y = train_loader.next_batch()

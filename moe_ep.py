@@ -431,9 +431,7 @@ def train(argv=None):
     for step in range(args.steps):
         profiler.step(step)
         metrics.start_step()
-        lr = gpt2.lr_at(step, args)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        lr = gpt2.set_lr(opt, step, args)
         sums = torch.zeros(2, device=ctx.device)  # (train loss, balancing loss) of this rank
         counts = torch.zeros(cfg.n_layer, 2, args.experts, dtype=torch.long, device=ctx.device)
         for _ in range(args.grad_accum):

@@ -319,9 +319,7 @@ def main(argv=None):
     for step in range(args.steps):
         profiler.step(step)
         metrics.start_step()
-        lr = gpt2.lr_at(step, args)
-        for g in adamw.param_groups:
-            g["lr"] = lr
+        lr = gpt2.set_lr(adamw, step, args)
         muon_lr = args.muon_lr * lr / args.lr  # Muon rides the same warmup + cosine schedule
         loss_sum = torch.zeros((), device=ctx.device)
         for _ in range(args.grad_accum):

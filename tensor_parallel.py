@@ -533,9 +533,7 @@ def main(argv=None):
     for step in range(args.steps):
         profiler.step(step)
         metrics.start_step()
-        lr = gpt2.lr_at(step, args)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        lr = gpt2.set_lr(opt, step, args)
         loss_sum = torch.zeros((), device=ctx.device)
         for _ in range(args.grad_accum):
             x, y = train_loader.next_batch()
