@@ -471,6 +471,8 @@ class Pipeline:
             need = ([("act", op.stage, op.mb)] if op.kind == "F" and op.stage > 0 else
                     [("grad", op.stage, op.mb)] if op.kind in "BI" and op.stage < self.S - 1 else [])
             self._exchange(need)  # this op's input, and the previous op's outputs leave
+            for key in need:  # wait before the clock starts: time spent waiting on a peer is bubble, not work
+                self.inbox[key] = (self._take(key), [])
             with self.timeline.op(op) if timed else contextlib.nullcontext():
                 if op.kind == "F":
                     self._forward(op, xs, ys)
