@@ -456,7 +456,7 @@ def main(argv=None):
     print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {ctx.world} ranks x "
            f"{zero.shard:,} flat params each | device {ctx.device} {ctx.dtype}")
 
-    def val_loss_fn(x, y):
+    def loss_fn(x, y):
         with ctx.autocast():
             return fwd(x, y)[1]
 
@@ -467,14 +467,7 @@ def main(argv=None):
         profiler.step(step)
         metrics.start_step()
         lr = gpt2.set_lr(opt, step, args)
-        loss_sum = torch.zeros((), device=ctx.device)
-        for _ in range(args.grad_accum):
-            x, y = train_loader.next_batch()
-            with ctx.autocast():
-                _, loss = fwd(x.to(ctx.device), y.to(ctx.device))
-            loss = loss / args.grad_accum
-            loss_sum += loss.detach()
-            loss.backward()
+        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
         zero.reduce_scatter_grads()
         if args.grad_clip > 0:
             zero.clip_global_grad_norm(args.grad_clip)
@@ -493,7 +486,7 @@ def main(argv=None):
         metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb(), ckpt_block_ms=1e3 * (time.perf_counter() - t0))
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             model.eval()
-            metrics.log_val(step, gpt2.evaluate(val_loss_fn, val_loader, args.eval_steps, ctx.device))
+            metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
     if ckpt:
         t0 = time.perf_counter()

@@ -400,7 +400,7 @@ def train(argv=None):
            f"device {ctx.device} {ctx.dtype} | fp8 {args.fp8}"
            + (" (CPU emulation)" if args.fp8 == "on" and ctx.device.type == "cpu" else ""))
 
-    def val_loss_fn(x, y):
+    def loss_fn(x, y):
         with ctx.autocast():
             return fwd(x, y)[1]
 
@@ -408,14 +408,7 @@ def train(argv=None):
         profiler.step(step)
         metrics.start_step()
         lr = gpt2.set_lr(opt, step, args)
-        loss_sum = torch.zeros((), device=ctx.device)
-        for _ in range(args.grad_accum):
-            x, y = train_loader.next_batch()
-            with ctx.autocast():
-                _, loss = fwd(x.to(ctx.device), y.to(ctx.device))
-            loss = loss / args.grad_accum
-            loss_sum += loss.detach()
-            loss.backward()
+        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
         if world > 1:
             all_reduce_grads(params, world, comm)
             loss_sum = global_mean(loss_sum, world, comm)
@@ -428,7 +421,7 @@ def train(argv=None):
         metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb())
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             model.eval()
-            metrics.log_val(step, gpt2.evaluate(val_loss_fn, val_loader, args.eval_steps, ctx.device))
+            metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
     metrics.plot()
     return compare_with_baseline(args, metrics.records, args.fp8) if ctx.master else None

@@ -356,7 +356,7 @@ def train(argv=None):
     print0(f"model {args.model}: {n_params / 1e6:.2f}M non-embedding params | {ctx.world} ranks | "
            f"reshard-after-forward {args.reshard_after_forward} | device {ctx.device} {ctx.dtype}")
 
-    def val_loss_fn(x, y):
+    def loss_fn(x, y):
         with ctx.autocast():
             return fsdp.forward(x, y)
 
@@ -364,15 +364,7 @@ def train(argv=None):
         profiler.step(step)
         metrics.start_step()
         lr = gpt2.set_lr(opt, step, args)
-        loss_sum = torch.zeros((), device=ctx.device)
-        for _ in range(args.grad_accum):
-            x, y = train_loader.next_batch()
-            with ctx.autocast():
-                loss = fsdp.forward(x.to(ctx.device), y.to(ctx.device))
-            loss = loss / args.grad_accum
-            loss_sum += loss.detach()
-            loss.backward()
-            fsdp.finish_backward()
+        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device, after_backward=fsdp.finish_backward)
         if args.grad_clip > 0:
             fsdp.clip_grad_norm_(args.grad_clip)
         opt.step()
@@ -388,7 +380,7 @@ def train(argv=None):
             report(fsdp, args, ctx, n_total, mem, comm_mb)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             model.eval()
-            metrics.log_val(step, gpt2.evaluate(val_loss_fn, val_loader, args.eval_steps, ctx.device))
+            metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
             comm.take_mb()  # the evaluation's gathers are not part of a training step
     state = fsdp.full_state_dict()

@@ -305,6 +305,22 @@ def set_lr(opt, step, args):
     return lr
 
 
+def accumulate_grads(loss_fn, loader, args, device, after_backward=None):
+    """Forward and backward over --grad-accum micro-batches. Each micro-batch's loss is divided by
+    grad_accum, so the accumulated gradient is the gradient of the mean over all of them. loss_fn(x, y)
+    returns a micro-batch's mean loss; after_backward() runs after each backward (e.g. reduce-scatter).
+    Returns this rank's mean loss of the step, detached."""
+    loss_sum = torch.zeros((), device=device)
+    for _ in range(args.grad_accum):
+        x, y = loader.next_batch()
+        loss = loss_fn(x.to(device), y.to(device)) / args.grad_accum
+        loss_sum += loss.detach()
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+    return loss_sum
+
+
 # ----------------------------------------------------------------------------------------------------
 # Data: the speedrun's shard format and a loader whose global batch does not depend on world size
 
@@ -854,22 +870,15 @@ def train(argv=None):
     profiler = Profiler(args, ctx)
     print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | device {ctx.device} {ctx.dtype}")
 
-    def val_loss_fn(x, y):
+    def loss_fn(x, y):
         with ctx.autocast():
-            return fwd(x, y)[1]
+            return fwd(x, y)[1]  # the logits are dropped here, before backward: B*T*V floats
 
     for step in range(args.steps):
         profiler.step(step)
         metrics.start_step()
         lr = set_lr(opt, step, args)
-        loss_sum = torch.zeros((), device=ctx.device)
-        for _ in range(args.grad_accum):
-            x, y = train_loader.next_batch()
-            with ctx.autocast():
-                loss = fwd(x.to(ctx.device), y.to(ctx.device))[1]  # drop the logits before backward: B*T*V floats
-            loss = loss / args.grad_accum  # the gradient of the mean over all micro-batches
-            loss_sum += loss.detach()
-            loss.backward()
+        loss_sum = accumulate_grads(loss_fn, train_loader, args, ctx.device)
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
@@ -879,7 +888,7 @@ def train(argv=None):
         metrics.log_step(step, loss_val, lr)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             model.eval()
-            metrics.log_val(step, evaluate(val_loss_fn, val_loader, args.eval_steps, ctx.device))
+            metrics.log_val(step, evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
     torch.save({"config": cfg.__dict__, "model": model.state_dict()}, os.path.join(args.out, "model.pt"))
     metrics.plot()

@@ -312,7 +312,7 @@ def main(argv=None):
         print0(f"Muon shares: rank 0 owns {len(muon.mine)} matrices, slab {muon.slab} floats, padding {muon.padding} "
                f"({100 * muon.padding / max(1, ctx.world * muon.slab):.1f}% of the reduce-scatter)")
 
-    def val_loss_fn(x, y):
+    def loss_fn(x, y):
         with ctx.autocast():
             return fwd(x, y)[1]
 
@@ -321,14 +321,7 @@ def main(argv=None):
         metrics.start_step()
         lr = gpt2.set_lr(adamw, step, args)
         muon_lr = args.muon_lr * lr / args.lr  # Muon rides the same warmup + cosine schedule
-        loss_sum = torch.zeros((), device=ctx.device)
-        for _ in range(args.grad_accum):
-            x, y = train_loader.next_batch()
-            with ctx.autocast():
-                _, loss = fwd(x.to(ctx.device), y.to(ctx.device))
-            loss = loss / args.grad_accum
-            loss_sum += loss.detach()
-            loss.backward()
+        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
         if muon:
             muon.reduce_scatter_grads()
         loss_sum = all_reduce_grads(adamw_params, loss_sum, ctx.world, comm)
@@ -345,7 +338,7 @@ def main(argv=None):
         metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb(), muon_lr=muon_lr if muon else None)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             model.eval()
-            metrics.log_val(step, gpt2.evaluate(val_loss_fn, val_loader, args.eval_steps, ctx.device))
+            metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
     if ctx.master:
         torch.save({"config": cfg.__dict__, "model": model.state_dict()}, os.path.join(args.out, "model.pt"))

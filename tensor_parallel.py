@@ -526,7 +526,7 @@ def main(argv=None):
     grid.sequence_parallel = args.sequence_parallel
     grid.meter.take_mb()
 
-    def val_loss_fn(x, y):
+    def loss_fn(x, y):
         with ctx.autocast():
             return model(x, y)
 
@@ -534,14 +534,7 @@ def main(argv=None):
         profiler.step(step)
         metrics.start_step()
         lr = gpt2.set_lr(opt, step, args)
-        loss_sum = torch.zeros((), device=ctx.device)
-        for _ in range(args.grad_accum):
-            x, y = train_loader.next_batch()
-            with ctx.autocast():
-                loss = model(x.to(ctx.device), y.to(ctx.device))
-            loss = loss / args.grad_accum
-            loss_sum += loss.detach()
-            loss.backward()
+        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
         sync_grads(model, grid)
         if args.grad_clip > 0:
             clip_grad_norm(model, grid, args.grad_clip)
@@ -556,7 +549,7 @@ def main(argv=None):
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             model.eval()
             # gpt2.evaluate averages over all ranks; TP ranks hold equal losses, so that is the DP mean
-            metrics.log_val(step, gpt2.evaluate(val_loss_fn, val_loader, args.eval_steps, ctx.device))
+            metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
             grid.meter.take_mb()
     sd = model.full_state_dict()
