@@ -44,7 +44,6 @@ Megatron-LM's distributed checkpointing (resharding by global offsets); the safe
 import json
 import os
 import shutil
-import sys
 import threading
 import time
 import zlib
@@ -498,4 +497,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    gpt2.run_main(main)

@@ -428,4 +428,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    gpt2.run_main(main)

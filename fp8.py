@@ -428,8 +428,4 @@ def train(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        train()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    gpt2.run_main(train)

@@ -392,6 +392,4 @@ def train(argv=None):
 
 
 if __name__ == "__main__":
-    train()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    gpt2.run_main(train)

@@ -25,6 +25,7 @@ References: Radford et al. 2019 (GPT-2); Karpathy's nanoGPT, llm.c and build-nan
 modded-nanogpt (the shard format and the 3.28 FineWeb speedrun target).
 """
 import argparse
+import atexit
 import contextlib
 import datetime
 import glob
@@ -32,7 +33,9 @@ import json
 import math
 import os
 import resource
+import socket
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -187,7 +190,8 @@ class GPT(nn.Module):
         d = name_or_dir
         if not os.path.isdir(d):
             if name_or_dir not in MODELS or name_or_dir == "tiny":
-                raise ValueError(f"{name_or_dir!r} is neither a directory nor one of gpt2, gpt2-medium, gpt2-large, gpt2-xl")
+                fail(f"{name_or_dir!r} is neither a directory nor a GPT-2 name", "--init-from",
+                     "pass gpt2, gpt2-medium, gpt2-large, gpt2-xl or a directory with config.json")
             d = os.path.join("data", "weights", name_or_dir)
             for f in ("config.json", "model.safetensors"):
                 download(f"https://huggingface.co/{name_or_dir}/resolve/main/{f}", os.path.join(d, f),
@@ -202,7 +206,7 @@ class GPT(nn.Module):
         elif os.path.exists(os.path.join(d, "pytorch_model.bin")):
             sd = torch.load(os.path.join(d, "pytorch_model.bin"), map_location="cpu", weights_only=True)
         else:
-            raise FileNotFoundError(f"{d} holds neither model.safetensors nor pytorch_model.bin")
+            fail(f"{d} holds neither model.safetensors nor pytorch_model.bin", "--init-from", "point it at a HF-layout GPT-2 directory")
         model = cls(cfg)
         ours = model.state_dict()
         # OpenAI's Conv1D stores Linear weights as (in, out): transpose them
@@ -213,7 +217,7 @@ class GPT(nn.Module):
             if k.endswith((".attn.bias", ".attn.masked_bias")) or k == "lm_head.weight":
                 continue  # causal-mask buffers, and the head that is tied to wte
             if k not in ours:
-                raise KeyError(f"unexpected tensor {k!r} in {d}")
+                fail(f"unexpected tensor {k!r}", d, "this is not a GPT-2 checkpoint in the HF layout")
             v = v.float()
             if k.endswith(conv1d):
                 v = v.t()
@@ -223,12 +227,13 @@ class GPT(nn.Module):
                     ours[k][: v.size(0)].copy_(v)
                 else:
                     if ours[k].shape != v.shape:
-                        raise ValueError(f"{k}: shape {tuple(v.shape)} in {d}, model wants {tuple(ours[k].shape)}")
+                        fail(f"{k} has shape {tuple(v.shape)}, config.json implies {tuple(ours[k].shape)}", d,
+                             "the weights and config.json disagree: re-export or re-download them")
                     ours[k].copy_(v)
             seen.add(k)
         missing = set(ours) - seen - {"lm_head.weight"}
         if missing:
-            raise KeyError(f"{d} lacks {sorted(missing)[:5]}")
+            fail(f"missing tensors {sorted(missing)[:5]}", d, "the checkpoint is incomplete: re-export or re-download it")
         return model
 
 
@@ -265,14 +270,15 @@ def build_model(args) -> GPT:
 
 def model_config(args) -> GPTConfig:
     if args.model not in MODELS:
-        raise ValueError(f"--model {args.model!r}: choose one of {', '.join(MODELS)}")
+        fail(f"unknown model {args.model!r}", "--model", f"choose one of {', '.join(MODELS)}")
     base = MODELS[args.model]
     cfg = GPTConfig(**{**base.__dict__, **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")
                                               if getattr(args, k, None) is not None}})
     if cfg.n_embd % cfg.n_head:
-        raise ValueError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
+        fail(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}", "--n-head", "pick a head count that divides the width")
     if args.seq_len > cfg.block_size:
-        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's context {cfg.block_size}")
+        fail(f"--seq-len {args.seq_len} exceeds the model's context {cfg.block_size}", "--seq-len",
+             f"use at most {cfg.block_size}")
     return cfg
 
 
@@ -346,18 +352,19 @@ def read_shard(path, vocab_size=None):
     """Memory-map a shard's tokens after checking the header, the file size and the token range."""
     size = os.path.getsize(path)
     if size < HEADER_INTS * 4:
-        raise ValueError(f"{path}: {size} bytes is shorter than the {HEADER_INTS * 4}-byte header")
+        fail(f"{size} bytes is shorter than the {HEADER_INTS * 4}-byte header", path, "re-create it with gpt2.py prepare")
     header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
     if header[0] != MAGIC:
-        raise ValueError(f"{path}: magic {header[0]} != {MAGIC}; not a GPT-2 token shard (prepare it with gpt2.py prepare)")
+        fail(f"magic {header[0]} != {MAGIC}: not a GPT-2 token shard", path, "prepare it with gpt2.py prepare")
     if header[1] != VERSION:
-        raise ValueError(f"{path}: version {header[1]} != {VERSION}")
+        fail(f"version {header[1]} != {VERSION}", path, "re-create it with gpt2.py prepare")
     n = int(header[2])
     if size != HEADER_INTS * 4 + 2 * n:
-        raise ValueError(f"{path}: header says {n} tokens ({HEADER_INTS * 4 + 2 * n} bytes) but the file has {size} bytes")
+        fail(f"header says {n} tokens ({HEADER_INTS * 4 + 2 * n} bytes) but the file has {size} bytes", path,
+             "the shard is truncated or corrupt: re-create it with gpt2.py prepare")
     tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_INTS * 4, shape=(n,))
     if vocab_size is not None and n and int(tokens.max()) >= vocab_size:
-        raise ValueError(f"{path}: token id {int(tokens.max())} >= vocab size {vocab_size}")
+        fail(f"token id {int(tokens.max())} >= vocab size {vocab_size}", path, "re-create it with gpt2.py prepare")
     return tokens
 
 
@@ -368,8 +375,8 @@ class DataLoader:
     def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world=1, vocab_size=50257):
         self.files = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.bin")))
         if not self.files:
-            raise FileNotFoundError(f"no {split} shards (*{split}*.bin) in {data_dir!r}: run "
-                                    f"`python gpt2.py prepare shakespeare` or `prepare --text FILE --out {data_dir}`")
+            fail(f"no {split} shards (*{split}*.bin) in {data_dir!r}", "--data",
+                 f"run `python gpt2.py prepare shakespeare` or `prepare --text FILE --out {data_dir}`")
         self.B, self.T, self.rank, self.world, self.vocab_size = batch_size, seq_len, rank, world, vocab_size
         self.load_state_dict({"shard": 0, "pos": 0})
 
@@ -384,8 +391,8 @@ class DataLoader:
     def _check_fits(self):
         need = self.world * self.B * self.T + 1
         if len(self.tokens) < need:
-            raise ValueError(f"{self.files[self.shard]} has {len(self.tokens)} tokens, fewer than one global "
-                             f"batch ({self.world} ranks x {self.B} x {self.T} + 1 = {need}): lower --batch-size/--seq-len")
+            fail(f"{len(self.tokens)} tokens, fewer than one global batch ({self.world} ranks x {self.B} x {self.T} + 1 = "
+                 f"{need})", self.files[self.shard], "lower --batch-size/--seq-len")
 
     def next_batch(self):
         span = self.world * self.B * self.T
@@ -414,7 +421,7 @@ def download(url, path, offline_hint):
     except Exception as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise RuntimeError(f"could not download {url} ({e}); offline? {offline_hint}") from None
+        fail(f"could not download {url} ({e})", path, f"offline? {offline_hint}")
     os.replace(tmp, path)
     return path
 
@@ -424,8 +431,8 @@ def get_tokenizer():
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:
-        raise RuntimeError(f"could not load tiktoken's GPT-2 BPE ({e}). Offline, set TIKTOKEN_CACHE_DIR to a "
-                           f"directory holding tiktoken's cache (this project's CI uses ../shared/tiktoken)") from None
+        fail(f"could not load tiktoken's GPT-2 BPE ({e.__class__.__name__})", "TIKTOKEN_CACHE_DIR",
+             "offline, set it to a directory holding tiktoken's cache (this project's CI uses ../shared/tiktoken)")
 
 
 def prepare_text(text_file, out_dir):
@@ -485,7 +492,8 @@ def prepare_fineweb_edu(out_dir, shards, shard_tokens=100_000_000):
         from datasets import load_dataset
         from tqdm import tqdm
     except ImportError:
-        raise RuntimeError("prepare fineweb-edu needs `pip install datasets`") from None
+        fail("prepare fineweb-edu needs the datasets and tqdm packages", "fineweb-edu",
+             "`pip install datasets tqdm` (needs network), or pass --text FILE for a local corpus")
     get_tokenizer()  # fail early, offline
     ds = load_dataset("HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train", streaming=True)
     with mp.Pool(max(1, os.cpu_count() - 1)) as pool:
@@ -518,6 +526,130 @@ def prepare(argv):
 
 # ----------------------------------------------------------------------------------------------------
 # Shared CLI, process setup and metrics
+
+
+class UsageError(ValueError):
+    """A mistake in a flag or a file, not a bug: run_main prints it as one line,
+    `error: <what> (<flag or file>): <what to do>`, and exits 2 without a traceback.
+    local=True: only this rank hit it (its own shard, its own disk), so this rank prints it too."""
+
+    def __init__(self, what, where, todo, local=False):
+        super().__init__(f"{what} ({where}): {todo}")
+        self.local = local
+
+
+def fail(what, where, todo, local=False):
+    raise UsageError(what, where, todo, local)
+
+
+def run_main(main, argv=None):
+    """Every file's entry point: main(argv), with the project's own errors as one line, printed once."""
+    try:
+        main(argv)
+    except UsageError as e:
+        if e.local or int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)  # without destroying the group: a peer may be gone, and NCCL's teardown would wait for it
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def check_args(args):
+    """The checks every file shares, run by setup() before the process group starts (files add their own
+    beside it). Flags a file does not have are skipped."""
+    for flag in ("steps", "batch_size", "grad_accum", "seq_len", "eval_steps", "n_head", "n_layer", "n_embd",
+                 "timeout", "micro_batches", "tp", "ep", "dp", "val_tokens"):
+        v = getattr(args, flag, None)
+        if v is not None and v < 1:
+            fail(f"--{flag.replace('_', '-')} is {v}", f"--{flag.replace('_', '-')}", "give a positive integer")
+    for flag in ("warmup", "eval_every", "profile"):
+        v = getattr(args, flag, None)
+        if v is not None and v < 0:
+            fail(f"--{flag.replace('_', '-')} is {v}", f"--{flag.replace('_', '-')}", "give 0 or a positive integer")
+    for flag in ("lr", "beta2", "weight_decay", "grad_clip"):
+        v = getattr(args, flag, None)
+        if v is not None and not math.isfinite(v):
+            fail(f"--{flag.replace('_', '-')} is {v}", f"--{flag.replace('_', '-')}", "give a finite number")
+    if getattr(args, "lr", 1.0) <= 0:
+        fail(f"--lr is {args.lr}", "--lr", "give a positive learning rate (GPT-2 124M: 6e-4)")
+    if getattr(args, "grad_clip", 0.0) < 0 or getattr(args, "weight_decay", 0.0) < 0:
+        fail("a negative --grad-clip or --weight-decay", "--grad-clip/--weight-decay", "give 0 (off) or a positive value")
+    if not 0.0 <= getattr(args, "beta2", 0.5) < 1.0:
+        fail(f"--beta2 is {args.beta2}", "--beta2", "give a value in [0, 1), e.g. 0.95")
+    if getattr(args, "device", "auto") == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda but this machine has no visible GPU", "--device", "drop the flag (auto uses the CPU) "
+             "or run where CUDA is available")
+    if hasattr(args, "model") and hasattr(args, "seq_len") and not getattr(args, "init_from", None):
+        model_config(args)  # --model known, --n-embd divisible by --n-head, --seq-len within the context
+
+
+def lock_dir(path, flag):
+    """Hold `path` for this run alone: rank 0 creates path/LOCK ("host pid"), released at exit. A lock
+    left by a dead process on this host is taken over; a live holder makes the second run refuse at once,
+    before it writes anything (two runs in one --out would interleave metrics and overwrite model.pt)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        fail(f"cannot create {path} ({e.strerror})", flag, "choose a directory you can write")
+    lock, me = os.path.join(path, "LOCK"), f"{socket.gethostname()} {os.getpid()}"
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                with open(lock) as f:
+                    host, pid = f.read().split()
+            except (OSError, ValueError):
+                host, pid = "?", "0"  # half-written by a process that died between create and write
+            if f"{host} {pid}" == me:
+                return
+            if host in (socket.gethostname(), "?") and not _pid_alive(int(pid)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(lock)  # stale: its process is gone
+                continue
+            fail(f"{path} is in use by another run (pid {pid} on {host})", flag,
+                 f"wait for it to finish or choose another {flag}; remove {lock} if that run is gone")
+        except OSError as e:
+            fail(f"cannot write in {path} ({e.strerror})", flag, "choose a directory you can write")
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+            atexit.register(_unlock, lock, me)
+            return
+    fail(f"could not take {lock}", flag, "another run keeps taking it; choose another directory")
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
+
+
+def _unlock(lock, me):
+    with contextlib.suppress(OSError):
+        with open(lock) as f:
+            if f.read() == me:
+                os.remove(lock)
+
+
+def watch_launcher(interval=1.0):
+    """Under torchrun, stop this rank if the launcher dies (killed alone, its workers are re-parented):
+    an orphan would train on, and commit checkpoints, for a job nobody watches."""
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent:
+                print(f"error: the launcher (pid {parent}) died (torchrun): this rank "
+                      f"{os.environ.get('RANK', 0)} stops; relaunch the job", file=sys.stderr, flush=True)
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="watch_launcher").start()
 
 
 def make_parser(description):
@@ -570,11 +702,17 @@ class Context:
 def setup(args) -> Context:
     """Read torchrun's environment, pick the device and backend (NCCL on CUDA, gloo on CPU), start the
     process group with a timeout (a missing peer fails the job instead of hanging it)."""
+    check_args(args)
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda but no GPU is visible")
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        fail(f"LOCAL_RANK {local_rank} but {torch.cuda.device_count()} GPUs", "--nproc_per_node",
+             "launch at most one process per GPU")
+    if rank == 0:
+        lock_dir(args.out, "--out")
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        watch_launcher()
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -584,7 +722,7 @@ def setup(args) -> Context:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout),
                                 **({"device_id": device} if use_cuda else {}))
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)  # every rank sees it (rank 0 made it, or a shared filesystem lags)
     return Context(rank, world, local_rank, device, dtype, rank == 0)
 
 
@@ -593,9 +731,9 @@ def print0(*a, **k):
         print(*a, **k, flush=True)
 
 
-def check_finite(loss, step):
+def check_finite(loss, step, what="loss"):
     if not math.isfinite(loss):
-        raise FloatingPointError(f"loss is {loss} at step {step}: lower --lr, raise --warmup, or check the data")
+        fail(f"{what} is {loss} at step {step}", "--lr", "lower --lr, raise --warmup, or check the data")
 
 
 class CommMeter:
@@ -685,6 +823,7 @@ class Metrics:
         return rec
 
     def log_val(self, step, val_loss):
+        check_finite(val_loss, step, "val loss")  # a NaN must stop the run, not land in metrics.jsonl
         self._write({"step": step, "val_loss": val_loss})
         print0(f"step {step:5d} | val loss {val_loss:.6f}")
 
@@ -757,7 +896,7 @@ def make_loaders(args, rank=0, world=1, vocab_size=50257):
     prepared on first use by a single process; with several ranks it must exist already."""
     if args.data == "data/shakespeare" and not glob.glob(os.path.join(args.data, "*train*.bin")):
         if world > 1:
-            raise FileNotFoundError("no data in data/shakespeare: run `python gpt2.py prepare shakespeare` first")
+            fail("no data in data/shakespeare", "--data", "run `python gpt2.py prepare shakespeare` first (one process)")
         prepare(["shakespeare"])
     return (DataLoader(args.data, "train", args.batch_size, args.seq_len, rank, world, vocab_size),
             DataLoader(args.data, "val", args.batch_size, args.seq_len, rank, world, vocab_size))
@@ -859,7 +998,7 @@ def sample(argv):
 def train(argv=None):
     args = make_parser("Train GPT-2 in one process (see ddp.py for several).").parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        sys.exit("gpt2.py trains in one process; for several use `torchrun --nproc_per_node=N ddp.py` (same flags)")
+        fail("gpt2.py trains in one process", "WORLD_SIZE", "for several use `torchrun --nproc_per_node=N ddp.py` (same flags)")
     ctx = setup(args)
     model = build_model(args).to(ctx.device)
     cfg = model.config
@@ -899,4 +1038,4 @@ if __name__ == "__main__":
     commands = {"train": train, "prepare": prepare, "sample": sample, "hellaswag": hellaswag}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         sys.exit(f"usage: python gpt2.py {{{','.join(commands)}}} [flags]   (add -h to a command for its flags)")
-    commands[sys.argv[1]](sys.argv[2:])
+    run_main(commands[sys.argv[1]], sys.argv[2:])

@@ -485,4 +485,4 @@ def train(argv=None):
 
 
 if __name__ == "__main__":
-    train()
+    gpt2.run_main(train)

@@ -43,7 +43,6 @@ section 2.3 (distributed Muon); Bernstein & Newhouse 2024, "Old optimizer, new n
 import argparse
 import math
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -350,7 +349,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"muon.py: {e}")
+    gpt2.run_main(main)

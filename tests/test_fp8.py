@@ -233,7 +233,7 @@ def test_bad_input_fails_before_any_collective(monkeypatch, tmp_path):
         fp8.train(base + ["--grad-accum", "0"])
     with pytest.raises(ValueError, match="divisible"):
         fp8.train(base + ["--n-embd", "66"])
-    with pytest.raises(FileNotFoundError, match="train"):
+    with pytest.raises(ValueError, match="train"):
         fp8.train(base)
 
 
