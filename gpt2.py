@@ -31,7 +31,9 @@ import datetime
 import glob
 import json
 import math
+import mmap
 import os
+import pickle
 import resource
 import socket
 import sys
@@ -243,29 +245,90 @@ def cross_entropy(logits, targets):
 
 def load_safetensors(path):
     """The safetensors layout: 8-byte little-endian header length, a JSON header of
-    {name: {dtype, shape, data_offsets}}, then the raw bytes."""
+    {name: {dtype, shape, data_offsets}}, then the raw bytes. The file is memory-mapped (copy-on-write),
+    so the tensors alias it: no copy of the 500 MB file is made before the model takes its weights."""
     dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for k, meta in header.items():
-        if k == "__metadata__":
-            continue
-        start, end = meta["data_offsets"]
-        out[k] = torch.frombuffer(bytearray(data[start:end]), dtype=dtypes[meta["dtype"]]).reshape(meta["shape"])
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= size - 8:
+                raise ValueError(f"header length {n} does not fit a {size}-byte file")
+            header = json.loads(f.read(n))
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else bytearray()
+        out = {}
+        for k, meta in header.items():
+            if k == "__metadata__":
+                continue
+            start, end = meta["data_offsets"]
+            dtype = dtypes[meta["dtype"]]
+            count = math.prod(meta["shape"])
+            if not 0 <= start <= end <= size - 8 - n or end - start != count * dtype.itemsize:
+                raise ValueError(f"{k}: bytes [{start}, {end}) do not hold shape {meta['shape']} in a {size}-byte file")
+            out[k] = torch.frombuffer(buf, dtype=dtype, count=count, offset=8 + n + start).reshape(meta["shape"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError) as e:
+        fail(f"not a readable safetensors file ({e.__class__.__name__}: {e})", path,
+             "it is truncated or corrupt: re-download or re-export it")
     return out
+
+
+def save_safetensors(tensors, path):
+    """The inverse of load_safetensors: a JSON header (padded to 8 bytes), then each tensor's bytes."""
+    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = path + ".part"
+    with open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for t in tensors.values():
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+    os.replace(tmp, path)  # a reader never sees half a file
 
 
 def build_model(args) -> GPT:
     """The model every file trains: MODELS[args.model] with the --n-layer/--n-head/--n-embd overrides,
-    initialised from --seed (so every rank and every technique starts from the same weights)."""
-    cfg = model_config(args)
+    initialised from --seed (so every rank and every technique starts from the same weights). With
+    --init-from the weights decide the shape, and flags that name another shape are refused."""
     torch.manual_seed(args.seed)
-    model = GPT.from_pretrained(args.init_from) if getattr(args, "init_from", None) else GPT(cfg)
+    if not getattr(args, "init_from", None):
+        model = GPT(model_config(args))
+    else:
+        model = load_weights(args.init_from)
+        cfg, wanted = model.config, {}
+        if args.model != "tiny":  # the default cannot be told from an explicit --model tiny
+            wanted = {k: getattr(MODELS.get(args.model, cfg), k) for k in ("n_layer", "n_head", "n_embd")}
+        wanted.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k, None)})
+        for k, v in wanted.items():
+            if getattr(cfg, k) != v:
+                flag = f"--{k.replace('_', '-')}" if getattr(args, k, None) else "--model"
+                fail(f"--init-from {args.init_from} has {k}={getattr(cfg, k)}, but {flag} asks for {v}", flag,
+                     "drop the flag: the weights decide the shape")
+        if args.seq_len > cfg.block_size:
+            fail(f"--seq-len {args.seq_len} exceeds the context {cfg.block_size} of {args.init_from}", "--seq-len",
+                 f"use at most {cfg.block_size}")
     model.activation_checkpointing = args.activation_checkpointing
     return model
+
+
+def load_weights(init_from) -> GPT:
+    """A pretrained name, a HF-layout directory, or a model.pt written by this project's training loops."""
+    if init_from.endswith(".pt"):
+        try:
+            ck = torch.load(init_from, map_location="cpu", weights_only=True)
+            model = GPT(GPTConfig(**ck["config"]))
+            model.load_state_dict(ck["model"])
+        except FileNotFoundError:
+            fail(f"no such file {init_from}", "--init-from", "pass OUT/model.pt of a finished run")
+        except (RuntimeError, KeyError, TypeError, EOFError, OSError, pickle.UnpicklingError) as e:
+            fail(f"not a model.pt of this project ({e.__class__.__name__})", init_from, "pass OUT/model.pt of a finished run")
+        return model
+    return GPT.from_pretrained(init_from)
 
 
 def model_config(args) -> GPTConfig:
@@ -558,11 +621,11 @@ def check_args(args):
     """The checks every file shares, run by setup() before the process group starts (files add their own
     beside it). Flags a file does not have are skipped."""
     for flag in ("steps", "batch_size", "grad_accum", "seq_len", "eval_steps", "n_head", "n_layer", "n_embd",
-                 "timeout", "micro_batches", "tp", "ep", "dp", "val_tokens"):
+                 "timeout", "micro_batches", "tp", "ep", "dp"):
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             fail(f"--{flag.replace('_', '-')} is {v}", f"--{flag.replace('_', '-')}", "give a positive integer")
-    for flag in ("warmup", "eval_every", "profile"):
+    for flag in ("warmup", "eval_every", "profile", "val_tokens"):
         v = getattr(args, flag, None)
         if v is not None and v < 0:
             fail(f"--{flag.replace('_', '-')} is {v}", f"--{flag.replace('_', '-')}", "give 0 or a positive integer")
@@ -673,7 +736,9 @@ def make_parser(description):
     a("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0 = off)")
     a("--seed", type=int, default=1337, help="seed of the weights (identical on every rank)")
     a("--eval-every", type=int, default=50, help="validation loss every N steps (0 = never)")
-    a("--eval-steps", type=int, default=10, help="batches per validation")
+    a("--eval-steps", type=int, default=10, help="batches per validation (of the global batch: depends on world size)")
+    a("--val-tokens", type=int, default=0, help="validate on exactly the first N val tokens, the same tokens for any "
+      "world size and batch (N a multiple of world*B*T; the speedrun's 3.28 uses 10485760); 0 = --eval-steps batches")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="autocast dtype; auto = bf16 on CUDA, fp32 on CPU")
     a("--compile", action="store_true", help="torch.compile the model")
@@ -765,7 +830,14 @@ class CommMeter:
         return mb
 
 
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 tensor-core peaks
+# Dense bf16 tensor-core peaks (no sparsity) from NVIDIA's datasheets, matched on the device name, most
+# specific first: an H100 PCIe (756 TFLOP/s) is not an H100 SXM (989), and an unknown card reports no MFU.
+PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12),
+              ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12)]
+
+
+def peak_flops(device_name):
+    return next((v for k, v in PEAK_FLOPS if k in device_name), None)
 
 
 def flops_per_token(cfg: GPTConfig, n_params, seq_len):
@@ -788,7 +860,7 @@ class Metrics:
         self.tokens_per_step = tokens_per_step
         self.flops_per_step = flops_per_token(cfg, n_params, args.seq_len) * tokens_per_step
         name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
-        self.peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+        self.peak = peak_flops(name)
         self.path = os.path.join(args.out, "metrics.jsonl")
         if ctx.master:
             if resume_step and os.path.exists(self.path):  # a resumed run keeps the curve before its start
@@ -898,8 +970,20 @@ def make_loaders(args, rank=0, world=1, vocab_size=50257):
         if world > 1:
             fail("no data in data/shakespeare", "--data", "run `python gpt2.py prepare shakespeare` first (one process)")
         prepare(["shakespeare"])
-    return (DataLoader(args.data, "train", args.batch_size, args.seq_len, rank, world, vocab_size),
-            DataLoader(args.data, "val", args.batch_size, args.seq_len, rank, world, vocab_size))
+    loaders = (DataLoader(args.data, "train", args.batch_size, args.seq_len, rank, world, vocab_size),
+               DataLoader(args.data, "val", args.batch_size, args.seq_len, rank, world, vocab_size))
+    if getattr(args, "val_tokens", 0):
+        # Validation reads contiguous global batches from the start of the val split, so any world*B*T
+        # that divides N reads the same first N tokens: every run reports the loss of the same text.
+        span, have = world * args.batch_size * args.seq_len, len(loaders[1].tokens) - 1
+        if args.val_tokens % span:
+            fail(f"--val-tokens {args.val_tokens} is not a multiple of the global batch {world} x {args.batch_size} "
+                 f"x {args.seq_len} = {span}", "--val-tokens", f"use {args.val_tokens // span * span or span}")
+        if args.val_tokens > have:
+            fail(f"--val-tokens {args.val_tokens} exceeds the {have} tokens of {loaders[1].files[0]}", "--val-tokens",
+                 f"use at most {have // span * span}")
+        args.eval_steps = args.val_tokens // span  # every file's evaluate() reads args.eval_steps batches
+    return loaders
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -919,20 +1003,16 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=50):
 
 
 def load_for_inference(init_from, device):
-    """A pretrained name, a HF-layout directory, or a model.pt written by `gpt2.py train`."""
-    if init_from.endswith(".pt"):
-        ck = torch.load(init_from, map_location="cpu", weights_only=True)
-        model = GPT(GPTConfig(**ck["config"]))
-        model.load_state_dict(ck["model"])
-    else:
-        model = GPT.from_pretrained(init_from)
-    return model.to(device).eval()
+    return load_weights(init_from).to(device).eval()
 
 
 @torch.no_grad()
 def hellaswag_predict(model, enc, example, device):
-    """Completion-style scoring: the ending with the lowest mean loss per token wins (acc_norm);
-    the lowest total loss gives plain acc."""
+    """Completion-style scoring (build-nanogpt's convention): each ending is scored as a continuation of
+    the context, the lowest mean loss per ending token wins (acc_norm, normalized by tokens), the lowest
+    total loss gives plain acc. OpenAI's GPT-2 124M scores acc_norm 29.55% this way; the EleutherAI
+    harness scores multiple-choice style and normalizes by characters (31.14% for the same weights), so
+    compare a figure only with one measured the same way."""
     ctx = enc.encode(example["ctx"])
     rows = [ctx + enc.encode(" " + e) for e in example["endings"]]
     T = max(len(r) for r in rows)
@@ -951,7 +1031,9 @@ def hellaswag_predict(model, enc, example, device):
 
 
 def hellaswag(argv):
-    p = argparse.ArgumentParser(prog="gpt2.py hellaswag", description="HellaSwag validation accuracy (10,042 examples).")
+    p = argparse.ArgumentParser(prog="gpt2.py hellaswag", description="HellaSwag validation accuracy (10,042 examples), "
+                                "completion style as build-nanogpt scores it (GPT-2 124M: acc_norm 29.55%; the EleutherAI "
+                                "harness's multiple-choice style gives 31.14%).")
     p.add_argument("--init-from", default="gpt2", help="gpt2..., a HF-layout directory, or OUT/model.pt")
     p.add_argument("--file", default="data/hellaswag/hellaswag_val.jsonl", help="the val jsonl (downloaded if missing)")
     p.add_argument("--limit", type=int, default=0, help="score only the first N examples (0 = all)")
@@ -971,6 +1053,37 @@ def hellaswag(argv):
                 break
     print(f"hellaswag: {n} examples | acc {acc / n:.4f} | acc_norm {acc_norm / n:.4f}")
     return acc / n, acc_norm / n
+
+
+def export(argv):
+    """Write a trained model in the Hugging Face GPT-2 layout (config.json + model.safetensors): OpenAI's
+    Conv1D (in, out) weight layout, the vocabulary sliced back to 50,257 rows, lm_head left to the tie.
+    `--init-from DIR` of any file here, or transformers' GPT2LMHeadModel.from_pretrained(DIR), reads it."""
+    p = argparse.ArgumentParser(prog="gpt2.py export", description="Export weights in the Hugging Face GPT-2 layout.")
+    p.add_argument("--init-from", required=True, help="OUT/model.pt of a finished run (or a name / HF directory)")
+    p.add_argument("--out", required=True, help="directory to write config.json and model.safetensors into")
+    a = p.parse_args(argv)
+    model = load_weights(a.init_from)
+    cfg = model.config
+    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    tensors = {}
+    for k, v in model.state_dict().items():
+        if k == "lm_head.weight":
+            continue
+        v = v.detach().float()
+        tensors[k] = v[: cfg.vocab_size] if k == "wte.weight" else v.t() if k.endswith(conv1d) else v
+    try:
+        os.makedirs(a.out, exist_ok=True)
+        save_safetensors(tensors, os.path.join(a.out, "model.safetensors"))
+        with open(os.path.join(a.out, "config.json"), "w") as f:
+            json.dump({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+                       "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd,
+                       "n_layer": cfg.n_layer, "n_head": cfg.n_head, "activation_function": "gelu_new",
+                       "layer_norm_epsilon": 1e-5, "bos_token_id": EOT, "eos_token_id": EOT,
+                       "tie_word_embeddings": True}, f, indent=2)
+    except OSError as e:
+        fail(f"cannot write {a.out} ({e.strerror})", "--out", "choose a directory you can write")
+    print(f"exported {a.init_from} ({cfg.n_layer} layers, {cfg.n_embd} wide) -> {a.out}/model.safetensors, config.json")
 
 
 def sample(argv):
@@ -1035,7 +1148,7 @@ def train(argv=None):
 
 
 if __name__ == "__main__":
-    commands = {"train": train, "prepare": prepare, "sample": sample, "hellaswag": hellaswag}
+    commands = {"train": train, "prepare": prepare, "sample": sample, "hellaswag": hellaswag, "export": export}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         sys.exit(f"usage: python gpt2.py {{{','.join(commands)}}} [flags]   (add -h to a command for its flags)")
     run_main(commands[sys.argv[1]], sys.argv[2:])

@@ -272,3 +272,91 @@ def test_token_stream_sharding(tmp_path):
     got = [gpt2.read_shard(str(tmp_path / f"x_{s}_{i:06d}.bin")) for i, s in enumerate(["val", "train", "train"])]
     assert [len(g) for g in got] == [20, 20, 15] and np.array_equal(np.concatenate(got), np.concatenate(docs))
     assert gpt2.write_token_stream(iter(docs), str(tmp_path / "y"), "y", 20, train_shards=1) == 2
+
+
+def _save_model_pt(path, cfg, seed=0):
+    torch.manual_seed(seed)
+    m = gpt2.GPT(cfg)
+    torch.save({"config": cfg.__dict__, "model": m.state_dict()}, path)
+    return m
+
+
+def test_export_roundtrip_gives_identical_logits(tmp_path):
+    cfg = gpt2.GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=32)
+    m = _save_model_pt(str(tmp_path / "model.pt"), cfg).eval()
+    gpt2.export(["--init-from", str(tmp_path / "model.pt"), "--out", str(tmp_path / "hf")])
+    with open(tmp_path / "hf" / "config.json") as f:
+        hf = json.load(f)
+    assert (hf["vocab_size"], hf["n_positions"], hf["n_layer"], hf["n_embd"]) == (50257, 64, 2, 32)
+    sd = gpt2.load_safetensors(str(tmp_path / "hf" / "model.safetensors"))
+    assert sd["wte.weight"].shape == (50257, 32) and sd["h.0.mlp.c_fc.weight"].shape == (32, 128)  # Conv1D (in, out)
+    assert "lm_head.weight" not in sd
+    back = gpt2.GPT.from_pretrained(str(tmp_path / "hf")).eval()
+    idx = torch.randint(0, 50257, (2, 64))
+    with torch.no_grad():
+        assert torch.equal(m(idx)[0][..., :50257], back(idx)[0][..., :50257])
+    # the real-vocab rows are bit-identical; the 47 padding rows are zero again (never read for a logit)
+    assert torch.equal(back.wte.weight[:50257], m.wte.weight[:50257]) and back.wte.weight[50257:].abs().max() == 0
+
+
+def test_init_from_decides_the_shape(tmp_path):
+    cfg = gpt2.GPTConfig(block_size=512, n_layer=1, n_head=2, n_embd=32)
+    _save_model_pt(str(tmp_path / "model.pt"), cfg)
+    gpt2.export(["--init-from", str(tmp_path / "model.pt"), "--out", str(tmp_path / "hf")])
+    parse = gpt2.make_parser("t").parse_args
+    # --seq-len 512 is beyond the default (tiny) model's context 256, but within the weights' 512
+    m = gpt2.build_model(parse(["--init-from", str(tmp_path / "hf"), "--seq-len", "512"]))
+    assert m.config.block_size == 512 and m.config.n_layer == 1
+    with pytest.raises(gpt2.UsageError, match=r"n_layer=1, but --model asks for 12 \(--model\)"):
+        gpt2.build_model(parse(["--init-from", str(tmp_path / "hf"), "--model", "gpt2"]))
+    with pytest.raises(gpt2.UsageError, match=r"\(--n-layer\)"):
+        gpt2.build_model(parse(["--init-from", str(tmp_path / "model.pt"), "--n-layer", "2"]))
+    with pytest.raises(gpt2.UsageError, match=r"context 512 .*\(--seq-len\)"):
+        gpt2.build_model(parse(["--init-from", str(tmp_path / "hf"), "--seq-len", "1024"]))
+
+
+def test_corrupt_weights_name_the_file(tmp_path):
+    cfg = gpt2.GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)
+    _save_model_pt(str(tmp_path / "model.pt"), cfg)
+    gpt2.export(["--init-from", str(tmp_path / "model.pt"), "--out", str(tmp_path / "hf")])
+    path = tmp_path / "hf" / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(gpt2.UsageError, match=r"model.safetensors\): it is truncated or corrupt"):
+        gpt2.GPT.from_pretrained(str(tmp_path / "hf"))
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())  # random
+    with pytest.raises(gpt2.UsageError, match="not a readable safetensors file"):
+        gpt2.load_safetensors(str(path))
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(gpt2.UsageError, match="not a model.pt of this project"):
+        gpt2.load_weights(str(tmp_path / "bad.pt"))
+
+
+def _val_tokens_read(data, world, batch, val_tokens):
+    args = gpt2.make_parser("t").parse_args(["--data", data, "--batch-size", str(batch), "--seq-len", "16",
+                                             "--val-tokens", str(val_tokens)])
+    rows = {}
+    for rank in range(world):
+        _, val = gpt2.make_loaders(args, rank, world)
+        rows[rank] = [val.next_batch()[0] for _ in range(args.eval_steps)]
+    # the global order: step by step, rank by rank
+    return torch.cat([rows[r][s] for s in range(args.eval_steps) for r in range(world)]).flatten()
+
+
+def test_val_tokens_are_the_same_tokens_for_any_world_and_batch(random_data):
+    ref = _val_tokens_read(random_data, 1, 8, 1024)
+    assert ref.numel() == 1024
+    for world, batch in ((2, 4), (4, 2), (4, 16), (1, 64)):
+        assert torch.equal(_val_tokens_read(random_data, world, batch, 1024), ref)
+    with pytest.raises(gpt2.UsageError, match=r"not a multiple of the global batch 2 x 3 x 16 = 96 \(--val-tokens\)"):
+        _val_tokens_read(random_data, 2, 3, 1024)
+    with pytest.raises(gpt2.UsageError, match="exceeds the 4999 tokens"):
+        _val_tokens_read(random_data, 1, 8, 8192)
+
+
+def test_peak_flops_by_exact_device_name():
+    assert gpt2.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpt2.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpt2.peak_flops("NVIDIA H200") == 989e12
+    assert gpt2.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert gpt2.peak_flops("NVIDIA GeForce GTX 1080") is None  # unknown: no MFU rather than a wrong one
