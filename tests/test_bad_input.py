@@ -1,0 +1,204 @@
+"""Bad input, as a new user types it, across all nine files: each case must end in ONE line
+`error: <what> (<flag or file>): <what to do>`, exit code 2, no traceback, nothing written, and no
+collective reached (dist.init_process_group is patched to fail the test if a case gets that far).
+
+Most cases call the file's entry point through gpt2.run_main in this process (exactly what each file's
+`__main__` runs; one interpreter keeps the suite fast); a few go through the real CLI and torchrun to
+prove the once-only printing, the exclusive --out and the launcher watchdog.
+`python tests/test_bad_input.py` prints the table: case, exit code, message.
+"""
+import contextlib
+import importlib
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt2  # noqa: E402
+from harness import ROOT, free_port  # noqa: E402
+
+SMALL = ["--seq-len", "32", "--batch-size", "2", "--steps", "2", "--eval-every", "0"]
+W2 = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+
+# (file, flags, world env, text the one line must contain). {data} and {tmp} are filled in per case.
+CASES = [
+    *[(f, ["--steps", "0"], W2 if f in ("fsdp2", "pipeline", "moe_ep") else {}, "(--steps)")
+      for f in ("gpt2", "ddp", "fsdp2", "tensor_parallel", "pipeline", "moe_ep", "fp8", "muon", "checkpoint")],
+    *[(f, ["--lr", "-1"], W2 if f in ("fsdp2", "pipeline") else {}, "(--lr)")
+      for f in ("gpt2", "ddp", "fsdp2", "pipeline", "muon")],
+    *[(f, ["--seq-len", "1000"], W2 if f == "fsdp2" else {}, "(--seq-len)") for f in ("gpt2", "ddp", "fsdp2", "fp8")],
+    *[(f, ["--data", "{tmp}/nowhere"], W2 if f == "fsdp2" else {}, "(--data)") for f in ("gpt2", "ddp", "fsdp2", "muon")],
+    ("gpt2", ["--device", "cuda"], {}, "(--device)"),
+    ("ddp", ["--device", "cuda"], {}, "(--device)"),
+    ("gpt2", ["--model", "gpt5"], {}, "(--model)"),
+    ("ddp", ["--n-head", "3"], {}, "(--n-head)"),
+    ("gpt2", ["--batch-size", "0"], {}, "(--batch-size)"),
+    ("gpt2", ["--warmup", "-1"], {}, "(--warmup)"),
+    ("gpt2", ["--beta2", "1.5"], {}, "(--beta2)"),
+    ("gpt2", ["--timeout", "0"], {}, "(--timeout)"),
+    ("gpt2", ["--out", "{tmp}/a_file/out"], {}, "(--out)"),
+    ("gpt2", ["--init-from", "{tmp}/missing.pt"], {}, "(--init-from)"),
+    ("gpt2", ["--init-from", "{tmp}/truncated"], {}, "model.safetensors)"),
+    ("gpt2", ["--val-tokens", "1000"], {}, "(--val-tokens)"),
+    ("gpt2", [], W2, "(WORLD_SIZE)"),
+    ("tensor_parallel", ["--tp", "2", "--grad-accum", "0", "--grad-clip", "0"], W2, "(--grad-accum)"),
+    ("tensor_parallel", ["--tp", "2", "--n-head", "3", "--n-embd", "96"], W2, "--tp"),
+    ("fsdp2", ["--eval-every", "1", "--eval-steps", "0"], W2, "(--eval-steps)"),
+    ("fsdp2", [], {}, "torchrun"),
+    ("pipeline", ["--n-layer", "3"], W2, "--n-layer"),
+    ("moe_ep", ["--ep", "2", "--experts", "3"], W2, "--experts"),
+    ("moe_ep", ["--top-k", "9"], {}, "--top-k"),
+    ("muon", ["--momentum", "1.0"], {}, "--momentum"),
+    ("muon", ["--ns-steps", "0"], {}, "--ns-steps"),
+    ("checkpoint", ["--save-every", "1"], {}, "--ckpt-dir"),
+    ("checkpoint", ["--ckpt-dir", "{tmp}/a_file/ckpt", "--save-every", "1"], {}, "--ckpt-dir"),
+    ("ddp", ["--bucket-mb", "-1"], {}, "--bucket-mb"),
+]
+
+
+def entry(name):
+    mod = importlib.import_module(name)
+    return getattr(mod, "main", None) or mod.train
+
+
+def prepare_tmp(tmp):
+    (tmp / "a_file").write_text("a regular file where a directory is expected")
+    hf = tmp / "truncated"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"n_positions": 32, "vocab_size": 50257, "n_layer": 1, "n_head": 2, "n_embd": 32}')
+    (hf / "model.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{\"wte.weight\": {\"dtype\"")
+
+
+def run_case(case, data, tmp, monkeypatch):
+    """Run one case in this process; returns (exit code, what it printed to stderr)."""
+    name, flags, env, _ = case
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    def no_collective(*a, **k):
+        raise AssertionError("init_process_group reached: a bad input must be refused before any collective")
+    monkeypatch.setattr(gpt2.dist, "init_process_group", no_collective)
+    argv = [a.format(data=data, tmp=tmp) for a in
+            [*SMALL, "--data", "{data}", "--out", "{tmp}/out_" + name, *flags]]
+    err, out = io.StringIO(), io.StringIO()
+    with redirect_stderr(err), redirect_stdout(out), pytest.raises(SystemExit) as e:
+        gpt2.run_main(entry(name), argv)
+    return e.value.code, err.getvalue()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]} {' '.join(c[1])}" for c in CASES])
+def test_bad_input_is_one_line_before_any_collective(case, random_data, tmp_path, monkeypatch):
+    prepare_tmp(tmp_path)
+    code, err = run_case(case, random_data, tmp_path, monkeypatch)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, (code, err)
+    assert lines[0].startswith("error: ") and case[3] in lines[0] and "): " in lines[0], lines[0]
+    assert not os.path.exists(tmp_path / f"out_{case[0]}" / "metrics.jsonl")  # nothing half-written
+
+
+def test_error_is_printed_once_by_torchrun_and_without_traceback(random_data, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "ddp.py", *SMALL, "--data", random_data, "--out", str(tmp_path), "--lr", "0"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode != 0 and ours == ["error: --lr is 0.0 (--lr): give a positive learning rate (GPT-2 124M: 6e-4)"]
+    assert 'File "' + os.path.join(ROOT, "ddp.py") not in proc.stderr  # torchrun's own summary may follow
+
+
+def _start_training(out, data, extra=()):
+    cmd = [sys.executable, "gpt2.py", "train", *SMALL[:4], "--steps", "100000", "--eval-every", "0",
+           "--data", data, "--out", str(out), *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _wait_for(pred, seconds, what):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if pred():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_second_run_in_the_same_out_is_refused_and_a_stale_lock_is_taken(random_data, tmp_path):
+    out = tmp_path / "out"
+    first = _start_training(out, random_data)
+    try:
+        _wait_for(lambda: (out / "metrics.jsonl").exists(), 90, "the first run's first step")
+        second = subprocess.run([sys.executable, "gpt2.py", "train", *SMALL, "--data", random_data, "--out", str(out)],
+                                cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, second.stderr
+        assert f"error: {out} is in use by another run (pid {first.pid} on " in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.kill()
+        first.wait(timeout=30)
+    # the SIGKILLed run left its LOCK behind; its pid is dead, so the next run takes the lock over
+    assert (out / "LOCK").read_text().split()[1] == str(first.pid)
+    third = subprocess.run([sys.executable, "gpt2.py", "train", *SMALL, "--data", random_data, "--out", str(out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert not (out / "LOCK").exists()  # released at exit
+
+
+def test_rank_stops_when_its_launcher_dies(random_data, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
+           "ddp.py", *SMALL[:4], "--steps", "100000", "--eval-every", "0", "--data", random_data, "--out", str(out)]
+    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        _wait_for(lambda: (out / "metrics.jsonl").exists(), 90, "the first step")
+        worker = int((out / "LOCK").read_text().split()[1])
+        launcher.send_signal(signal.SIGKILL)  # torchrun killed alone: its worker is re-parented
+        launcher.wait(timeout=10)
+
+        def gone():
+            try:
+                os.kill(worker, 0)
+            except ProcessLookupError:
+                return True
+            with open(f"/proc/{worker}/stat") as f:
+                return f.read().split()[2] == "Z"
+        _wait_for(gone, 15, "the orphaned rank to stop")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":  # the table for a closing note: case, exit code, message
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        data = d / "data"
+        data.mkdir()
+        import numpy as np
+        rng = np.random.default_rng(0)
+        gpt2.write_shard(str(data / "train_000000.bin"), rng.integers(0, 50257, 20_000))
+        gpt2.write_shard(str(data / "val_000000.bin"), rng.integers(0, 50257, 5_000))
+        print("| file | flags | exit | message |\n|---|---|---|---|")
+        for i, case in enumerate(CASES):
+            tmp = d / f"case{i}"
+            tmp.mkdir()
+            prepare_tmp(tmp)
+            mp = pytest.MonkeyPatch()
+            try:
+                code, err = run_case(case, str(data), tmp, mp)
+            except BaseException as e:  # noqa: BLE001 - a failing case is a row, not a crash of the table
+                code, err = "-", f"{e.__class__.__name__}: {e}"
+            finally:
+                mp.undo()
+            msg = err.strip().replace(str(tmp), "TMP").replace(str(data), "DATA").replace("|", "/")
+            print(f"| {case[0]} | {' '.join(case[1]).replace(str(tmp), 'TMP')} | {code} | {msg} |")
