@@ -422,15 +422,18 @@ def main(argv=None):
                         "torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT=0); -1 = never")
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    for flag in ("steps", "batch_size", "seq_len", "grad_accum", "keep"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    gpt2.check_args(args)
+    if args.keep < 1:
+        gpt2.fail(f"--keep is {args.keep}", "--keep", "keep at least the newest checkpoint")
     if args.save_every < 0:
-        raise ValueError("--save-every must be >= 0")
+        gpt2.fail(f"--save-every is {args.save_every}", "--save-every", "give 0 (never) or a number of steps")
     if args.save_every and not args.ckpt_dir:
-        raise ValueError("--save-every needs --ckpt-dir")
-    if world < 1:
-        raise ValueError(f"WORLD_SIZE={world}")
+        gpt2.fail("--save-every without a directory to save into", "--ckpt-dir", "add --ckpt-dir DIR")
+    if args.ckpt_dir:
+        try:
+            os.makedirs(args.ckpt_dir, exist_ok=True)
+        except OSError as e:
+            gpt2.fail(f"cannot create {args.ckpt_dir}: {e.strerror}", "--ckpt-dir", "give a writable directory")
 
     own_group = world > 1 and not dist.is_initialized()  # tests may call main() inside their own group
     ctx = gpt2.setup(args)

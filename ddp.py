@@ -322,22 +322,16 @@ def measure_overlap(model, loss_fn, batch, bucket_mb, steps, device):
 
 def validate(args, world):
     """Everything that would otherwise fail inside a collective, checked before the first one."""
-    checks = [(args.batch_size >= 1, f"--batch-size {args.batch_size} must be >= 1"),
-              (args.seq_len >= 1, f"--seq-len {args.seq_len} must be >= 1"),
-              (args.grad_accum >= 1, f"--grad-accum {args.grad_accum} must be >= 1"),
-              (args.steps >= 1, f"--steps {args.steps} must be >= 1"),
-              (args.bucket_mb > 0, f"--bucket-mb {args.bucket_mb} must be > 0"),
-              (args.overlap_steps >= 0, f"--overlap-steps {args.overlap_steps} must be >= 0"),
-              (not args.eval_every or args.eval_steps >= 1, f"--eval-steps {args.eval_steps} must be >= 1"),
-              (world >= 1, f"WORLD_SIZE {world} must be >= 1")]
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(msg)
+    gpt2.check_args(args)  # the shared checks (sizes, --lr, --device, --model), then this file's own
+    if not args.bucket_mb > 0:
+        gpt2.fail(f"--bucket-mb is {args.bucket_mb}", "--bucket-mb", "give a positive size in MB (25 is the default)")
+    if args.overlap_steps < 0:
+        gpt2.fail(f"--overlap-steps is {args.overlap_steps}", "--overlap-steps", "give 0 or a positive integer")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if use_cuda and local_world > torch.cuda.device_count():
-        raise ValueError(f"{local_world} processes per node but {torch.cuda.device_count()} GPUs: "
-                         f"use --nproc_per_node={torch.cuda.device_count()}")
+        gpt2.fail(f"{local_world} processes per node but {torch.cuda.device_count()} GPUs", "--nproc_per_node",
+                  f"use --nproc_per_node={torch.cuda.device_count()}")
 
 
 def main(argv=None):

@@ -373,16 +373,14 @@ def train(argv=None):
     args = p.parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     # validate everything before the first collective: a bad flag fails every rank, none hangs
-    for flag in ("steps", "batch_size", "seq_len", "grad_accum"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    gpt2.check_args(args)
     cfg = gpt2.model_config(args)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.fp8 == "on" and use_cuda:
         cap = torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", 0)))
         if cap < (8, 9):
-            raise RuntimeError(f"--fp8 on needs fp8 tensor cores (sm_89 or newer), this GPU is sm_{cap[0]}{cap[1]}; "
-                               f"use --fp8 off or --device cpu (emulation)")
+            gpt2.fail(f"this GPU is sm_{cap[0]}{cap[1]}, fp8 tensor cores need sm_89 or newer", "--fp8",
+                      "use --fp8 off, or --device cpu to emulate")
     train_loader, val_loader = gpt2.make_loaders(args, rank, world, cfg.vocab_size)
 
     ctx = gpt2.setup(args)

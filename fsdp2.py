@@ -333,13 +333,11 @@ def train(argv=None):
     args = p.parse_args(argv)
     # validate before any collective, so bad input fails fast instead of hanging the other ranks
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    gpt2.check_args(args)
     if world < 2:
-        raise SystemExit("fsdp2.py shards over several ranks: launch it with torchrun --nproc_per_node=N (N >= 2); "
-                         "one process is gpt2.py train")
+        gpt2.fail("fsdp2.py shards over several ranks but runs alone", "WORLD_SIZE",
+                  "launch it with torchrun --nproc_per_node=N (N >= 2); one process is gpt2.py train")
     cfg = gpt2.model_config(args)
-    for flag in ("steps", "batch_size", "seq_len", "grad_accum"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     train_loader, val_loader = gpt2.make_loaders(args, rank, world, cfg.vocab_size)
 
     ctx = gpt2.setup(args)

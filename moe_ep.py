@@ -358,16 +358,20 @@ def make_parser():
 
 def check_args(args, world):
     """Every mistake found before the first collective, so it is an error message and not a hang."""
-    if args.ep < 1 or args.experts < 1:
-        raise ValueError("--ep and --experts must be >= 1")
+    gpt2.check_args(args)
+    if args.experts < 1:
+        gpt2.fail(f"--experts is {args.experts}", "--experts", "give a positive number of experts")
     if args.experts % args.ep:
-        raise ValueError(f"--experts {args.experts} is not divisible by --ep {args.ep}: every EP rank holds the same number of experts")
+        gpt2.fail(f"{args.experts} experts do not split evenly over {args.ep} ranks", "--experts/--ep",
+                  "give a number of experts divisible by --ep")
     if not 1 <= args.top_k <= args.experts:
-        raise ValueError(f"--top-k {args.top_k} must lie in [1, --experts {args.experts}]")
+        gpt2.fail(f"--top-k {args.top_k} is outside [1, {args.experts}]", "--top-k",
+                  "route each token to at least 1 and at most --experts experts")
     if world % args.ep:
-        raise ValueError(f"world size {world} is not divisible by --ep {args.ep}: ranks form world/ep expert-parallel groups")
+        gpt2.fail(f"{world} ranks do not form groups of --ep {args.ep}", "--ep", "give a divisor of the world size")
     if args.capacity_factor < 0:
-        raise ValueError(f"--capacity-factor {args.capacity_factor} must be >= 0 (0 = dropless)")
+        gpt2.fail(f"--capacity-factor is {args.capacity_factor}", "--capacity-factor",
+                  "give 0 (dropless) or a positive factor")
 
 
 def plot_expert_load(loads, args, path):

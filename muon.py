@@ -269,15 +269,13 @@ def validate(args, world):
     cfg = gpt2.model_config(args)
     if args.muon_lr is None:
         args.muon_lr = 0.02 if args.muon_scale == "original" else args.lr
-    for name in ("lr", "muon_lr"):
-        if not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    gpt2.check_args(args)
+    if not args.muon_lr > 0:
+        gpt2.fail(f"--muon-lr is {args.muon_lr}", "--muon-lr", "give a positive learning rate (0.02 is Muon's)")
     if not 0.0 <= args.momentum < 1.0:
-        raise ValueError(f"--momentum must lie in [0, 1), got {args.momentum}")
+        gpt2.fail(f"--momentum is {args.momentum}", "--momentum", "give a value in [0, 1), e.g. 0.95")
     if args.ns_steps < 1:
-        raise ValueError(f"--ns-steps must be >= 1, got {args.ns_steps}")
-    if args.steps < 1 or args.batch_size < 1 or args.grad_accum < 1:
-        raise ValueError("--steps, --batch-size and --grad-accum must be >= 1")
+        gpt2.fail(f"--ns-steps is {args.ns_steps}", "--ns-steps", "give at least 1 Newton-Schulz step (5 is usual)")
     n_matrices = 4 * cfg.n_layer if args.optimizer == "muon" else 0
     if world > n_matrices and n_matrices:
         print0(f"note: {world} ranks but {n_matrices} Muon matrices: {world - n_matrices} ranks own none")

@@ -204,24 +204,29 @@ def bubble_fraction(ranks):
 
 
 def check_args(args, world):
-    """Returns P, the pipeline depth; raises ValueError naming the flag to change."""
-    if args.dp < 1 or world % args.dp:
-        raise ValueError(f"--dp {args.dp} does not divide the {world} ranks")
+    """Returns P, the pipeline depth; a bad flag is one line naming it (gpt2.fail)."""
+    gpt2.check_args(args)
+    if world % args.dp:
+        gpt2.fail(f"--dp {args.dp} does not divide the {world} ranks", "--dp", "give a divisor of the world size")
     P, M, L = world // args.dp, args.micro_batches, gpt2.model_config(args).n_layer
     S = num_stages(args.schedule, P)
-    if M < 1 or args.batch_size % M:
-        raise ValueError(f"--batch-size {args.batch_size} is not divisible by --micro-batches {M}")
+    if args.batch_size % M:
+        gpt2.fail(f"--batch-size {args.batch_size} is not divisible by --micro-batches {M}", "--micro-batches",
+                  "give a divisor of --batch-size")
     if L % S:
-        raise ValueError(f"--n-layer {L} is not divisible into {S} stages ({args.schedule} with P={P} ranks per pipeline)")
+        gpt2.fail(f"{L} layers do not split into {S} stages ({args.schedule}, P={P} ranks per pipeline)",
+                  "--n-layer", f"give a multiple of {S} layers, or another number of ranks")
     if args.schedule == "dualpipe" and P % 2:
-        raise ValueError(f"dualpipe needs an even number of ranks per pipeline, got P={P}")
+        gpt2.fail(f"dualpipe pairs ranks from both ends, P={P} is odd", "--nproc_per_node/--dp",
+                  "use an even number of ranks per pipeline")
     if args.schedule == "1f1b" and M < P:
-        raise ValueError(f"1f1b needs --micro-batches >= P={P} to fill the pipeline, got {M}")
+        gpt2.fail(f"1f1b with {M} micro-batches cannot fill {P} stages", "--micro-batches", f"give at least {P}")
     if args.schedule in ("dualpipe", "dualpipev") and (M < 2 * P or M % 2):
-        raise ValueError(f"{args.schedule} needs an even --micro-batches >= 2P = {2 * P}, got {M}")
+        gpt2.fail(f"{args.schedule} needs an even number of micro-batches >= 2P = {2 * P}, got {M}",
+                  "--micro-batches", f"give an even number >= {2 * P}")
     if args.schedule in ("dualpipe", "dualpipev") and (args.compile or args.activation_checkpointing):
-        raise ValueError(f"{args.schedule} splits backwards into I and W by recording the forward's matmul "
-                         f"inputs; --compile and --activation-checkpointing are supported with gpipe and 1f1b")
+        gpt2.fail(f"{args.schedule} splits backwards into I and W by recording the forward's matmul inputs",
+                  "--compile/--activation-checkpointing", "use these flags with gpipe or 1f1b")
     return P
 
 

@@ -469,18 +469,19 @@ def saved_activation_bytes(model, idx, targets):
 
 def validate(args, cfg, world):
     """Every size problem becomes an error before the first collective."""
+    gpt2.check_args(args)
     tp = args.tp or world
-    problems = []
     if tp < 1 or world % tp:
-        problems.append(f"--tp {tp} does not divide the world size {world}")
-    elif cfg.n_head % tp:
-        problems.append(f"{cfg.n_head} heads cannot be split over --tp {tp} ranks")
-    elif cfg.padded_vocab % tp:
-        problems.append(f"the padded vocabulary {cfg.padded_vocab} is not divisible by --tp {tp}")
-    elif args.sequence_parallel and args.seq_len % tp:
-        problems.append(f"--sequence-parallel: --seq-len {args.seq_len} is not divisible by --tp {tp}")
-    if problems:
-        raise ValueError("; ".join(problems))
+        gpt2.fail(f"--tp {tp} does not divide the {world} ranks", "--tp", "give a divisor of the world size")
+    if cfg.n_head % tp:
+        gpt2.fail(f"{cfg.n_head} heads cannot be split over {tp} ranks", "--tp/--n-head",
+                  "give a --tp that divides the number of heads (GPT-2 124M: 1, 2, 3, 4, 6 or 12)")
+    if cfg.padded_vocab % tp:
+        gpt2.fail(f"the padded vocabulary {cfg.padded_vocab} is not divisible by {tp}", "--tp",
+                  "give a power-of-two --tp (the vocabulary is padded to a multiple of 128)")
+    if args.sequence_parallel and args.seq_len % tp:
+        gpt2.fail(f"--seq-len {args.seq_len} is not divisible by --tp {tp}", "--sequence-parallel",
+                  "give a --seq-len divisible by --tp, or drop --sequence-parallel")
     return tp
 
 

@@ -95,11 +95,11 @@ def test_bubbles_by_simulation():
 def test_bad_input_is_a_clear_error():
     def args(*a):
         return pl.make_parser().parse_args(list(a))
-    cases = [(args("--schedule", "1f1b", "--n-layer", "3"), 2, "not divisible into 2 stages"),
-             (args("--schedule", "dualpipev", "--micro-batches", "8"), 4, "not divisible into 8 stages"),
-             (args("--schedule", "dualpipe", "--n-layer", "3"), 3, "even number of ranks"),
-             (args("--schedule", "1f1b", "--micro-batches", "2"), 4, "micro-batches >= P=4"),
-             (args("--schedule", "dualpipe", "--micro-batches", "4"), 4, "even --micro-batches >= 2P = 8"),
+    cases = [(args("--schedule", "1f1b", "--n-layer", "3"), 2, "do not split into 2 stages"),
+             (args("--schedule", "dualpipev", "--micro-batches", "8"), 4, "do not split into 8 stages"),
+             (args("--schedule", "dualpipe", "--n-layer", "3"), 3, "P=3 is odd"),
+             (args("--schedule", "1f1b", "--micro-batches", "2"), 4, "cannot fill 4 stages"),
+             (args("--schedule", "dualpipe", "--micro-batches", "4"), 4, "even number of micro-batches >= 2P = 8"),
              (args("--batch-size", "6", "--micro-batches", "4"), 2, "--batch-size 6 is not divisible"),
              (args("--dp", "3"), 4, "--dp 3 does not divide"),
              (args("--schedule", "dualpipe", "--compile"), 2, "--compile")]
@@ -256,4 +256,4 @@ def test_four_ranks(random_data, tmp_path, baselines):
 
 def test_bad_input_exits_before_any_collective(random_data, tmp_path):
     bad = run_cli(["pipeline.py", "--schedule", "dualpipe", "--data", random_data, "--out", str(tmp_path)], check=False)
-    assert bad.returncode != 0 and "even number of ranks per pipeline, got P=1" in bad.stderr
+    assert bad.returncode != 0 and "P=1 is odd" in bad.stderr

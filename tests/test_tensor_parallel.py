@@ -133,15 +133,15 @@ def _dtensor_block(rank, world, full, x):
 def test_bad_sizes_fail_before_any_collective(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     base = ["--device", "cpu", "--model", "tiny"]
-    with pytest.raises(ValueError, match="does not divide the world size"):
+    with pytest.raises(ValueError, match="--tp 3 does not divide the 4 ranks"):
         tp.main(base + ["--tp", "3"])
-    with pytest.raises(ValueError, match="3 heads cannot be split"):
+    with pytest.raises(ValueError, match="3 heads cannot be split over 2 ranks"):
         tp.main(base + ["--tp", "2", "--n-head", "3", "--n-embd", "96"])
     with pytest.raises(ValueError, match="--seq-len 30 is not divisible"):
         tp.main(base + ["--tp", "4", "--sequence-parallel", "--seq-len", "30"])
     # 50304 = 2^7 * 3 * 131 divides by 2, 3, 4, 6, 8 ranks, not by 5
     monkeypatch.setenv("WORLD_SIZE", "5")
-    with pytest.raises(ValueError, match="padded vocabulary 50304 is not divisible by --tp 5"):
+    with pytest.raises(ValueError, match="padded vocabulary 50304 is not divisible by 5"):
         tp.main(base + ["--tp", "5", "--n-head", "5", "--n-embd", "40"])
 
 
