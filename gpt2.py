@@ -14,12 +14,27 @@ must reproduce this file's loss curve step by step: that equality is how we know
     step:  one contiguous global batch of world*B*T+1 tokens; rank r takes rows [r*B, (r+1)*B)
            -> the union over ranks is exactly the single-process batch, for any world size
 
+GPT-2 124M on one GPU: 124,475,904 parameters (50,304 x 768 tied embedding = 38.6M of them); fp32
+weights 0.50 GB + gradients 0.50 GB + AdamW's two moments 1.00 GB = 16 bytes x params = 1.99 GB before
+activations. Forward + backward costs 6N + 12*L*H*Q*T FLOPs per token, N = 123.7M (all but wpe: the tied
+wte is also the lm_head matmul) -> 0.74 GFLOP + 0.11 GFLOP at T=1024 = 0.85 GFLOP per token.
+
+The sections, in reading order (a technique file uses 1-4; 5 is for using a trained model):
+    1. Model         GPTConfig, GPT (embed / forward_blocks / head_loss), build_model, HF weights
+    2. Data          shard format, DataLoader, make_loaders, prepare (Shakespeare, FineWeb)
+    3. Recipe        AdamW groups, lr_at / set_lr, accumulate_grads, evaluate, train() - the reference loop
+    4. Plumbing      collective names, one-line errors (fail, run_main, check_args, lock_dir), make_parser,
+                     setup (process group with a timeout), CommMeter, Metrics, Profiler
+    5. Inference     generate / sample, HellaSwag, export to the Hugging Face layout
+
 Launch:
     python gpt2.py prepare shakespeare                  # or: prepare --text FILE --out DIR (offline)
     python gpt2.py train                                # tiny model on CPU, a first run in a minute
-    python gpt2.py train --model gpt2 --data data/fineweb10B --batch-size 16 --grad-accum 32 --compile
+    python gpt2.py train --model gpt2 --data data/fineweb10B --batch-size 16 --grad-accum 32 --compile \
+        --val-tokens 10485760
     python gpt2.py sample --init-from gpt2 --prompt "Hello, I'm a language model,"
     python gpt2.py hellaswag --init-from gpt2
+    python gpt2.py export --init-from out/model.pt --out out/hf   # config.json + model.safetensors
 
 References: Radford et al. 2019 (GPT-2); Karpathy's nanoGPT, llm.c and build-nanogpt; Keller Jordan's
 modded-nanogpt (the shard format and the 3.28 FineWeb speedrun target).
@@ -49,13 +64,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-# torch 2.13 renamed the flat collectives reduce_scatter_tensor / all_gather_into_tensor (the old names
-# warn there) and torch 2.11-2.12 have only the old ones: every file calls them through these names
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 # ----------------------------------------------------------------------------------------------------
-# Model
+# 1. Model: GPT-2, its config, and OpenAI's weights in the Hugging Face layout
 
 
 @dataclass
@@ -208,7 +218,8 @@ class GPT(nn.Module):
         elif os.path.exists(os.path.join(d, "pytorch_model.bin")):
             sd = torch.load(os.path.join(d, "pytorch_model.bin"), map_location="cpu", weights_only=True)
         else:
-            fail(f"{d} holds neither model.safetensors nor pytorch_model.bin", "--init-from", "point it at a HF-layout GPT-2 directory")
+            fail(f"{d} holds neither model.safetensors nor pytorch_model.bin", "--init-from",
+                 "point it at a HF-layout GPT-2 directory")
         model = cls(cfg)
         ours = model.state_dict()
         # OpenAI's Conv1D stores Linear weights as (in, out): transpose them
@@ -235,12 +246,69 @@ class GPT(nn.Module):
             seen.add(k)
         missing = set(ours) - seen - {"lm_head.weight"}
         if missing:
-            fail(f"missing tensors {sorted(missing)[:5]}", d, "the checkpoint is incomplete: re-export or re-download it")
+            fail(f"missing tensors {sorted(missing)[:5]}", d,
+                 "the checkpoint is incomplete: re-export or re-download it")
         return model
 
 
 def cross_entropy(logits, targets):
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def model_config(args) -> GPTConfig:
+    if args.model not in MODELS:
+        fail(f"unknown model {args.model!r}", "--model", f"choose one of {', '.join(MODELS)}")
+    base = MODELS[args.model]
+    cfg = GPTConfig(**{**base.__dict__, **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")
+                                              if getattr(args, k, None) is not None}})
+    if cfg.n_embd % cfg.n_head:
+        fail(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}", "--n-head",
+             "pick a head count that divides the width")
+    if args.seq_len > cfg.block_size:
+        fail(f"--seq-len {args.seq_len} exceeds the model's context {cfg.block_size}", "--seq-len",
+             f"use at most {cfg.block_size}")
+    return cfg
+
+
+def build_model(args) -> GPT:
+    """The model every file trains: MODELS[args.model] with the --n-layer/--n-head/--n-embd overrides,
+    initialised from --seed (so every rank and every technique starts from the same weights). With
+    --init-from the weights decide the shape, and flags that name another shape are refused."""
+    torch.manual_seed(args.seed)
+    if not getattr(args, "init_from", None):
+        model = GPT(model_config(args))
+    else:
+        model = load_weights(args.init_from)
+        cfg, wanted = model.config, {}
+        if args.model != "tiny":  # the default cannot be told from an explicit --model tiny
+            wanted = {k: getattr(MODELS.get(args.model, cfg), k) for k in ("n_layer", "n_head", "n_embd")}
+        wanted.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k, None)})
+        for k, v in wanted.items():
+            if getattr(cfg, k) != v:
+                flag = f"--{k.replace('_', '-')}" if getattr(args, k, None) else "--model"
+                fail(f"--init-from {args.init_from} has {k}={getattr(cfg, k)}, but {flag} asks for {v}", flag,
+                     "drop the flag: the weights decide the shape")
+        if args.seq_len > cfg.block_size:
+            fail(f"--seq-len {args.seq_len} exceeds the context {cfg.block_size} of {args.init_from}", "--seq-len",
+                 f"use at most {cfg.block_size}")
+    model.activation_checkpointing = args.activation_checkpointing
+    return model
+
+
+def load_weights(init_from) -> GPT:
+    """A pretrained name, a HF-layout directory, or a model.pt written by this project's training loops."""
+    if init_from.endswith(".pt"):
+        try:
+            ck = torch.load(init_from, map_location="cpu", weights_only=True)
+            model = GPT(GPTConfig(**ck["config"]))
+            model.load_state_dict(ck["model"])
+        except FileNotFoundError:
+            fail(f"no such file {init_from}", "--init-from", "pass OUT/model.pt of a finished run")
+        except (RuntimeError, KeyError, TypeError, EOFError, OSError, pickle.UnpicklingError) as e:
+            fail(f"not a model.pt of this project ({e.__class__.__name__})", init_from,
+                 "pass OUT/model.pt of a finished run")
+        return model
+    return GPT.from_pretrained(init_from)
 
 
 def load_safetensors(path):
@@ -291,107 +359,8 @@ def save_safetensors(tensors, path):
     os.replace(tmp, path)  # a reader never sees half a file
 
 
-def build_model(args) -> GPT:
-    """The model every file trains: MODELS[args.model] with the --n-layer/--n-head/--n-embd overrides,
-    initialised from --seed (so every rank and every technique starts from the same weights). With
-    --init-from the weights decide the shape, and flags that name another shape are refused."""
-    torch.manual_seed(args.seed)
-    if not getattr(args, "init_from", None):
-        model = GPT(model_config(args))
-    else:
-        model = load_weights(args.init_from)
-        cfg, wanted = model.config, {}
-        if args.model != "tiny":  # the default cannot be told from an explicit --model tiny
-            wanted = {k: getattr(MODELS.get(args.model, cfg), k) for k in ("n_layer", "n_head", "n_embd")}
-        wanted.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k, None)})
-        for k, v in wanted.items():
-            if getattr(cfg, k) != v:
-                flag = f"--{k.replace('_', '-')}" if getattr(args, k, None) else "--model"
-                fail(f"--init-from {args.init_from} has {k}={getattr(cfg, k)}, but {flag} asks for {v}", flag,
-                     "drop the flag: the weights decide the shape")
-        if args.seq_len > cfg.block_size:
-            fail(f"--seq-len {args.seq_len} exceeds the context {cfg.block_size} of {args.init_from}", "--seq-len",
-                 f"use at most {cfg.block_size}")
-    model.activation_checkpointing = args.activation_checkpointing
-    return model
-
-
-def load_weights(init_from) -> GPT:
-    """A pretrained name, a HF-layout directory, or a model.pt written by this project's training loops."""
-    if init_from.endswith(".pt"):
-        try:
-            ck = torch.load(init_from, map_location="cpu", weights_only=True)
-            model = GPT(GPTConfig(**ck["config"]))
-            model.load_state_dict(ck["model"])
-        except FileNotFoundError:
-            fail(f"no such file {init_from}", "--init-from", "pass OUT/model.pt of a finished run")
-        except (RuntimeError, KeyError, TypeError, EOFError, OSError, pickle.UnpicklingError) as e:
-            fail(f"not a model.pt of this project ({e.__class__.__name__})", init_from, "pass OUT/model.pt of a finished run")
-        return model
-    return GPT.from_pretrained(init_from)
-
-
-def model_config(args) -> GPTConfig:
-    if args.model not in MODELS:
-        fail(f"unknown model {args.model!r}", "--model", f"choose one of {', '.join(MODELS)}")
-    base = MODELS[args.model]
-    cfg = GPTConfig(**{**base.__dict__, **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")
-                                              if getattr(args, k, None) is not None}})
-    if cfg.n_embd % cfg.n_head:
-        fail(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}", "--n-head", "pick a head count that divides the width")
-    if args.seq_len > cfg.block_size:
-        fail(f"--seq-len {args.seq_len} exceeds the model's context {cfg.block_size}", "--seq-len",
-             f"use at most {cfg.block_size}")
-    return cfg
-
-
-def optimizer_groups(model, weight_decay):
-    """Decay 2-D weights (matmuls, embeddings) only; biases and LayerNorm gains are left alone."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-
-
-def make_adamw(params_or_groups, args, device):
-    return torch.optim.AdamW(params_or_groups, lr=args.lr, betas=(0.9, args.beta2), eps=1e-8,
-                             fused=device.type == "cuda")
-
-
-def lr_at(step, args):
-    """Linear warmup for --warmup steps, then cosine decay to 10% of --lr at the last step."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    min_lr = 0.1 * args.lr
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - min_lr)
-
-
-def set_lr(opt, step, args):
-    """Put step's scheduled learning rate into every param group of opt; returns it."""
-    lr = lr_at(step, args)
-    for g in opt.param_groups:
-        g["lr"] = lr
-    return lr
-
-
-def accumulate_grads(loss_fn, loader, args, device, after_backward=None):
-    """Forward and backward over --grad-accum micro-batches. Each micro-batch's loss is divided by
-    grad_accum, so the accumulated gradient is the gradient of the mean over all of them. loss_fn(x, y)
-    returns a micro-batch's mean loss; after_backward() runs after each backward (e.g. reduce-scatter).
-    Returns this rank's mean loss of the step, detached."""
-    loss_sum = torch.zeros((), device=device)
-    for _ in range(args.grad_accum):
-        x, y = loader.next_batch()
-        loss = loss_fn(x.to(device), y.to(device)) / args.grad_accum
-        loss_sum += loss.detach()
-        loss.backward()
-        if after_backward is not None:
-            after_backward()
-    return loss_sum
-
-
 # ----------------------------------------------------------------------------------------------------
-# Data: the speedrun's shard format and a loader whose global batch does not depend on world size
+# 2. Data: the speedrun's shard format and a loader whose global batch does not depend on world size
 
 MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
 EOT = 50256  # <|endoftext|>, put before every document
@@ -415,7 +384,8 @@ def read_shard(path, vocab_size=None):
     """Memory-map a shard's tokens after checking the header, the file size and the token range."""
     size = os.path.getsize(path)
     if size < HEADER_INTS * 4:
-        fail(f"{size} bytes is shorter than the {HEADER_INTS * 4}-byte header", path, "re-create it with gpt2.py prepare")
+        fail(f"{size} bytes is shorter than the {HEADER_INTS * 4}-byte header", path,
+             "re-create it with gpt2.py prepare")
     header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
     if header[0] != MAGIC:
         fail(f"magic {header[0]} != {MAGIC}: not a GPT-2 token shard", path, "prepare it with gpt2.py prepare")
@@ -468,6 +438,29 @@ class DataLoader:
         buf = torch.from_numpy(self.tokens[lo: lo + self.B * self.T + 1].astype(np.int64))
         self.pos += span
         return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
+
+
+def make_loaders(args, rank=0, world=1, vocab_size=50257):
+    """Train and val loaders for data-parallel rank `rank` of `world`. The default data directory is
+    prepared on first use by a single process; with several ranks it must exist already."""
+    if args.data == "data/shakespeare" and not glob.glob(os.path.join(args.data, "*train*.bin")):
+        if world > 1:
+            fail("no data in data/shakespeare", "--data", "run `python gpt2.py prepare shakespeare` first (one process)")
+        prepare(["shakespeare"])
+    loaders = (DataLoader(args.data, "train", args.batch_size, args.seq_len, rank, world, vocab_size),
+               DataLoader(args.data, "val", args.batch_size, args.seq_len, rank, world, vocab_size))
+    if getattr(args, "val_tokens", 0):
+        # Validation reads contiguous global batches from the start of the val split, so any world*B*T
+        # that divides N reads the same first N tokens: every run reports the loss of the same text.
+        span, have = world * args.batch_size * args.seq_len, len(loaders[1].tokens) - 1
+        if args.val_tokens % span:
+            fail(f"--val-tokens {args.val_tokens} is not a multiple of the global batch {world} x {args.batch_size} "
+                 f"x {args.seq_len} = {span}", "--val-tokens", f"use {args.val_tokens // span * span or span}")
+        if args.val_tokens > have:
+            fail(f"--val-tokens {args.val_tokens} exceeds the {have} tokens of {loaders[1].files[0]}", "--val-tokens",
+                 f"use at most {have // span * span}")
+        args.eval_steps = args.val_tokens // span  # every file's evaluate() reads args.eval_steps batches
+    return loaders
 
 
 def download(url, path, offline_hint):
@@ -588,7 +581,125 @@ def prepare(argv):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Shared CLI, process setup and metrics
+# 3. The training recipe: AdamW groups, LR schedule, gradient accumulation, evaluation, the
+#    single-process loop every technique must reproduce
+
+
+def optimizer_groups(model, weight_decay):
+    """Decay 2-D weights (matmuls, embeddings) only; biases and LayerNorm gains are left alone."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def make_adamw(params_or_groups, args, device):
+    return torch.optim.AdamW(params_or_groups, lr=args.lr, betas=(0.9, args.beta2), eps=1e-8,
+                             fused=device.type == "cuda")
+
+
+def lr_at(step, args):
+    """Linear warmup for --warmup steps, then cosine decay to 10% of --lr at the last step."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    min_lr = 0.1 * args.lr
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - min_lr)
+
+
+def set_lr(opt, step, args):
+    """Put step's scheduled learning rate into every param group of opt; returns it."""
+    lr = lr_at(step, args)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    return lr
+
+
+def accumulate_grads(loss_fn, loader, args, device, after_backward=None):
+    """Forward and backward over --grad-accum micro-batches. Each micro-batch's loss is divided by
+    grad_accum, so the accumulated gradient is the gradient of the mean over all of them. loss_fn(x, y)
+    returns a micro-batch's mean loss; after_backward() runs after each backward (e.g. reduce-scatter).
+    Returns this rank's mean loss of the step, detached."""
+    loss_sum = torch.zeros((), device=device)
+    for _ in range(args.grad_accum):
+        x, y = loader.next_batch()
+        loss = loss_fn(x.to(device), y.to(device)) / args.grad_accum
+        loss_sum += loss.detach()
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+    return loss_sum
+
+
+@torch.no_grad()
+def evaluate(loss_fn, loader: DataLoader, steps, device):
+    """Mean validation loss over `steps` batches from the start of the val split. loss_fn(x, y) -> loss;
+    with a process group the ranks' means are averaged, which equals the single-process mean."""
+    loader.load_state_dict({"shard": 0, "pos": 0})
+    total = torch.zeros((), device=device)
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        total += loss_fn(x.to(device), y.to(device)).float()
+    total /= steps
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        total /= dist.get_world_size()
+    return total.item()
+
+
+def check_finite(loss, step, what="loss"):
+    if not math.isfinite(loss):
+        fail(f"{what} is {loss} at step {step}", "--lr", "lower --lr, raise --warmup, or check the data")
+
+
+def train(argv=None):
+    args = make_parser("Train GPT-2 in one process (see ddp.py for several).").parse_args(argv)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        fail("gpt2.py trains in one process", "WORLD_SIZE",
+             "for several use `torchrun --nproc_per_node=N ddp.py` (same flags)")
+    ctx = setup(args)
+    model = build_model(args).to(ctx.device)
+    cfg = model.config
+    train_loader, val_loader = make_loaders(args, vocab_size=cfg.vocab_size)
+    opt = make_adamw(optimizer_groups(model, args.weight_decay), args, ctx.device)
+    fwd = torch.compile(model) if args.compile else model
+    metrics = Metrics(args, ctx, cfg, model.num_params(), args.batch_size * args.seq_len * args.grad_accum)
+    profiler = Profiler(args, ctx)
+    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | device {ctx.device} {ctx.dtype}")
+
+    def loss_fn(x, y):
+        with ctx.autocast():
+            return fwd(x, y)[1]  # the logits are dropped here, before backward: B*T*V floats
+
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = set_lr(opt, step, args)
+        loss_sum = accumulate_grads(loss_fn, train_loader, args, ctx.device)
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_val = loss_sum.item()
+        check_finite(loss_val, step)
+        metrics.log_step(step, loss_val, lr)
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            model.eval()
+            metrics.log_val(step, evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
+            model.train()
+    torch.save({"config": cfg.__dict__, "model": model.state_dict()}, os.path.join(args.out, "model.pt"))
+    metrics.plot()
+    print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. Shared plumbing for the technique files: collective names, errors, the CLI, process setup,
+#    communication meter, metrics, profiler
+
+
+# torch 2.13 renamed the flat collectives reduce_scatter_tensor / all_gather_into_tensor (the old names
+# warn there) and torch 2.11-2.12 have only the old ones: every file calls them through these names
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class UsageError(ValueError):
@@ -636,7 +747,8 @@ def check_args(args):
     if getattr(args, "lr", 1.0) <= 0:
         fail(f"--lr is {args.lr}", "--lr", "give a positive learning rate (GPT-2 124M: 6e-4)")
     if getattr(args, "grad_clip", 0.0) < 0 or getattr(args, "weight_decay", 0.0) < 0:
-        fail("a negative --grad-clip or --weight-decay", "--grad-clip/--weight-decay", "give 0 (off) or a positive value")
+        fail("a negative --grad-clip or --weight-decay", "--grad-clip/--weight-decay",
+             "give 0 (off) or a positive value")
     if not 0.0 <= getattr(args, "beta2", 0.5) < 1.0:
         fail(f"--beta2 is {args.beta2}", "--beta2", "give a value in [0, 1), e.g. 0.95")
     if getattr(args, "device", "auto") == "cuda" and not torch.cuda.is_available():
@@ -796,11 +908,6 @@ def print0(*a, **k):
         print(*a, **k, flush=True)
 
 
-def check_finite(loss, step, what="loss"):
-    if not math.isfinite(loss):
-        fail(f"{what} is {loss} at step {step}", "--lr", "lower --lr, raise --warmup, or check the data")
-
-
 class CommMeter:
     """Bytes this rank sends, under the bandwidth-optimal algorithm for each collective (ring):
     all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S with S the full tensor's bytes,
@@ -947,47 +1054,8 @@ class Profiler:
             self.prof = None
 
 
-@torch.no_grad()
-def evaluate(loss_fn, loader: DataLoader, steps, device):
-    """Mean validation loss over `steps` batches from the start of the val split. loss_fn(x, y) -> loss;
-    with a process group the ranks' means are averaged, which equals the single-process mean."""
-    loader.load_state_dict({"shard": 0, "pos": 0})
-    total = torch.zeros((), device=device)
-    for _ in range(steps):
-        x, y = loader.next_batch()
-        total += loss_fn(x.to(device), y.to(device)).float()
-    total /= steps
-    if dist.is_initialized():
-        dist.all_reduce(total)
-        total /= dist.get_world_size()
-    return total.item()
-
-
-def make_loaders(args, rank=0, world=1, vocab_size=50257):
-    """Train and val loaders for data-parallel rank `rank` of `world`. The default data directory is
-    prepared on first use by a single process; with several ranks it must exist already."""
-    if args.data == "data/shakespeare" and not glob.glob(os.path.join(args.data, "*train*.bin")):
-        if world > 1:
-            fail("no data in data/shakespeare", "--data", "run `python gpt2.py prepare shakespeare` first (one process)")
-        prepare(["shakespeare"])
-    loaders = (DataLoader(args.data, "train", args.batch_size, args.seq_len, rank, world, vocab_size),
-               DataLoader(args.data, "val", args.batch_size, args.seq_len, rank, world, vocab_size))
-    if getattr(args, "val_tokens", 0):
-        # Validation reads contiguous global batches from the start of the val split, so any world*B*T
-        # that divides N reads the same first N tokens: every run reports the loss of the same text.
-        span, have = world * args.batch_size * args.seq_len, len(loaders[1].tokens) - 1
-        if args.val_tokens % span:
-            fail(f"--val-tokens {args.val_tokens} is not a multiple of the global batch {world} x {args.batch_size} "
-                 f"x {args.seq_len} = {span}", "--val-tokens", f"use {args.val_tokens // span * span or span}")
-        if args.val_tokens > have:
-            fail(f"--val-tokens {args.val_tokens} exceeds the {have} tokens of {loaders[1].files[0]}", "--val-tokens",
-                 f"use at most {have // span * span}")
-        args.eval_steps = args.val_tokens // span  # every file's evaluate() reads args.eval_steps batches
-    return loaders
-
-
 # ----------------------------------------------------------------------------------------------------
-# Sampling and HellaSwag
+# 5. Sampling, HellaSwag, export
 
 
 @torch.no_grad()
@@ -1055,6 +1123,24 @@ def hellaswag(argv):
     return acc / n, acc_norm / n
 
 
+def sample(argv):
+    p = argparse.ArgumentParser(prog="gpt2.py sample", description="Sample text from a model.")
+    p.add_argument("--init-from", default="out/model.pt", help="gpt2..., a HF-layout directory, or OUT/model.pt")
+    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("--num-samples", type=int, default=3, help="how many continuations")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens per continuation")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens")
+    p.add_argument("--seed", type=int, default=42, help="sampling seed")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    a = p.parse_args(argv)
+    torch.manual_seed(a.seed)
+    model, enc = load_for_inference(a.init_from, torch.device(a.device)), get_tokenizer()
+    idx = torch.tensor([enc.encode(a.prompt, allowed_special={"<|endoftext|>"})] * a.num_samples, device=a.device)
+    for row in generate(model, idx, a.max_new_tokens, a.temperature, a.top_k).tolist():
+        print(enc.decode(row), "\n" + "-" * 40)
+
+
 def export(argv):
     """Write a trained model in the Hugging Face GPT-2 layout (config.json + model.safetensors): OpenAI's
     Conv1D (in, out) weight layout, the vocabulary sliced back to 50,257 rows, lm_head left to the tie.
@@ -1086,65 +1172,8 @@ def export(argv):
     print(f"exported {a.init_from} ({cfg.n_layer} layers, {cfg.n_embd} wide) -> {a.out}/model.safetensors, config.json")
 
 
-def sample(argv):
-    p = argparse.ArgumentParser(prog="gpt2.py sample", description="Sample text from a model.")
-    p.add_argument("--init-from", default="out/model.pt", help="gpt2..., a HF-layout directory, or OUT/model.pt")
-    p.add_argument("--prompt", default="\n", help="text to continue")
-    p.add_argument("--num-samples", type=int, default=3, help="how many continuations")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens per continuation")
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens")
-    p.add_argument("--seed", type=int, default=42, help="sampling seed")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    a = p.parse_args(argv)
-    torch.manual_seed(a.seed)
-    model, enc = load_for_inference(a.init_from, torch.device(a.device)), get_tokenizer()
-    idx = torch.tensor([enc.encode(a.prompt, allowed_special={"<|endoftext|>"})] * a.num_samples, device=a.device)
-    for row in generate(model, idx, a.max_new_tokens, a.temperature, a.top_k).tolist():
-        print(enc.decode(row), "\n" + "-" * 40)
-
-
 # ----------------------------------------------------------------------------------------------------
-# Single-process training
-
-
-def train(argv=None):
-    args = make_parser("Train GPT-2 in one process (see ddp.py for several).").parse_args(argv)
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        fail("gpt2.py trains in one process", "WORLD_SIZE", "for several use `torchrun --nproc_per_node=N ddp.py` (same flags)")
-    ctx = setup(args)
-    model = build_model(args).to(ctx.device)
-    cfg = model.config
-    train_loader, val_loader = make_loaders(args, vocab_size=cfg.vocab_size)
-    opt = make_adamw(optimizer_groups(model, args.weight_decay), args, ctx.device)
-    fwd = torch.compile(model) if args.compile else model
-    metrics = Metrics(args, ctx, cfg, model.num_params(), args.batch_size * args.seq_len * args.grad_accum)
-    profiler = Profiler(args, ctx)
-    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | device {ctx.device} {ctx.dtype}")
-
-    def loss_fn(x, y):
-        with ctx.autocast():
-            return fwd(x, y)[1]  # the logits are dropped here, before backward: B*T*V floats
-
-    for step in range(args.steps):
-        profiler.step(step)
-        metrics.start_step()
-        lr = set_lr(opt, step, args)
-        loss_sum = accumulate_grads(loss_fn, train_loader, args, ctx.device)
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_val = loss_sum.item()
-        check_finite(loss_val, step)
-        metrics.log_step(step, loss_val, lr)
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            model.eval()
-            metrics.log_val(step, evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
-            model.train()
-    torch.save({"config": cfg.__dict__, "model": model.state_dict()}, os.path.join(args.out, "model.pt"))
-    metrics.plot()
-    print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
+# 6. Command line
 
 
 if __name__ == "__main__":

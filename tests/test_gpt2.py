@@ -2,13 +2,15 @@
 import json
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 import gpt2
-from harness import read_metrics, run_cli
+from harness import ROOT, read_metrics, run_cli
 
 TINY = gpt2.GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
 
@@ -360,3 +362,11 @@ def test_peak_flops_by_exact_device_name():
     assert gpt2.peak_flops("NVIDIA H200") == 989e12
     assert gpt2.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert gpt2.peak_flops("NVIDIA GeForce GTX 1080") is None  # unknown: no MFU rather than a wrong one
+
+
+def test_gpu_check_refuses_in_one_line_without_cuda():
+    """tests/gpu_check.py is the command for a GPU machine; here (no CUDA) it must say so in one line."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gpu_check.py")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.count("\n") == 1 and "no CUDA device here" in proc.stdout
