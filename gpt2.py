@@ -551,7 +551,11 @@ def prepare_fineweb_edu(out_dir, shards, shard_tokens=100_000_000):
         fail("prepare fineweb-edu needs the datasets and tqdm packages", "fineweb-edu",
              "`pip install datasets tqdm` (needs network), or pass --text FILE for a local corpus")
     get_tokenizer()  # fail early, offline
-    ds = load_dataset("HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train", streaming=True)
+    try:
+        ds = load_dataset("HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train", streaming=True)
+    except (ConnectionError, OSError) as e:  # datasets raises ConnectionError offline; hub errors are OSErrors
+        fail(f"could not reach HuggingFaceFW/fineweb-edu ({e.__class__.__name__})", "fineweb-edu",
+             "offline? pass --text FILE for a local corpus, or copy prepared shards into a directory for --data")
     with mp.Pool(max(1, os.cpu_count() - 1)) as pool:
         docs = tqdm(pool.imap(_tokenize_doc, ds, chunksize=16), unit=" docs", desc="tokenizing")
         n = write_token_stream(docs, out_dir, "fineweb-edu", shard_tokens, shards)

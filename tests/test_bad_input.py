@@ -114,6 +114,22 @@ def test_error_is_printed_once_by_torchrun_and_without_traceback(random_data, tm
     assert 'File "' + os.path.join(ROOT, "ddp.py") not in proc.stderr  # torchrun's own summary may follow
 
 
+def test_prepare_fineweb_edu_offline_is_one_line(tmp_path, monkeypatch):
+    """Offline, `prepare fineweb-edu` gives the same kind of hint as the other corpora (no network here:
+    the hub call is replaced by the ConnectionError datasets raises offline)."""
+    import datasets  # a requirement: prepare fineweb-edu imports it inside the command
+
+    def offline(*a, **k):
+        raise ConnectionError("Couldn't reach 'HuggingFaceFW/fineweb-edu' on the Hub (LocalEntryNotFoundError)")
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    err = io.StringIO()
+    with redirect_stderr(err), pytest.raises(SystemExit) as e:
+        gpt2.run_main(gpt2.prepare, ["fineweb-edu", "--out", str(tmp_path / "fwe")])
+    assert e.value.code == 2 and err.getvalue().count("\n") == 1, err.getvalue()
+    assert err.getvalue().startswith("error: could not reach HuggingFaceFW/fineweb-edu (ConnectionError) (fineweb-edu): ")
+    assert not (tmp_path / "fwe").exists()
+
+
 def _start_training(out, data, extra=()):
     cmd = [sys.executable, "gpt2.py", "train", *SMALL[:4], "--steps", "100000", "--eval-every", "0",
            "--data", data, "--out", str(out), *extra]

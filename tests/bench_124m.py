@@ -1,0 +1,98 @@
+"""GPT-2 124M at 8 ranks: what every technique sends and holds per rank, in one table.
+
+    python tests/bench_124m.py [--world 8] [--batch-size 16] [--seq-len 1024]
+
+No GPU and no 8 processes: each technique's bench file measures its own rows in a process of its own
+(`per_rank_124m()` in tests/bench_<file>.py: torch's fake process group, where collectives are no-ops but
+the file's own byte meter and buffers are real, and/or the meta device), and this script prints them beside
+the single-process baseline below. Bytes per step are what one rank sends under the bandwidth-optimal
+algorithm (gpt2.CommMeter), per optimizer step at --batch-size sequences of --seq-len per data-parallel
+rank; memory is per rank: fp32 parameters, gradients, AdamW (or the file's) optimizer state, and the bf16
+activations saved for backward. Each row prints its measured figures beside its closed form.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import gpt2  # noqa: E402
+
+FILES = ["ddp", "fsdp2", "tensor_parallel", "pipeline", "moe_ep", "fp8", "muon", "checkpoint"]
+MB = 1e6
+
+
+def saved_activation_bytes(model, batch_size, seq_len, dtype=torch.bfloat16):
+    """Bytes autograd saves for backward in one forward of `model` (each storage counted once)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    idx = torch.randint(0, model.config.vocab_size, (batch_size, seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype):
+        model(idx, idx)
+    return sum(seen.values())
+
+
+def gpt2_row(batch_size, seq_len):
+    """One process, no parallelism: the row every technique is compared with."""
+    torch.manual_seed(0)
+    model = gpt2.GPT(gpt2.MODELS["gpt2"])
+    n = sum(p.numel() for p in model.parameters())
+    # activations grow linearly in the batch: measure one sequence, scale to the batch
+    act = saved_activation_bytes(model, 1, seq_len) * batch_size
+    return {"setup": "gpt2.py (1 process)", "comm_MB": 0.0, "comm_MB_closed": 0.0, "params_MB": 4 * n / MB,
+            "grads_MB": 4 * n / MB, "optim_MB": 8 * n / MB, "act_MB": act / MB, "mem_MB_closed": 16 * n / MB,
+            "how": f"real forward at B=1 on CPU (bf16 autocast), x{batch_size}"}
+
+
+def rows_of(name, world, batch_size, seq_len):
+    code = (f"import json, sys; sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]; import bench_{name} as b; "
+            f"print('ROWS ' + json.dumps(b.per_rank_124m({world}, {batch_size}, {seq_len})))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "WORLD_SIZE": "1", "RANK": "0"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROWS ")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return [{"setup": f"{name}.py", "error": tail[:120]}]
+    return json.loads(lines[-1][5:])
+
+
+def fmt(row):
+    if "error" in row:
+        return f"| {row['setup']} | failed: {row['error']} | | | | | | |"
+
+    def pair(measured, closed):
+        same = closed is not None and abs(measured - closed) <= 0.005 * max(1.0, abs(closed))
+        return f"{measured:,.1f}" + ("" if closed is None else (" (= closed form)" if same else f" (closed {closed:,.1f})"))
+    persistent = row["params_MB"] + row["grads_MB"] + row["optim_MB"]
+    return (f"| {row['setup']} | {pair(row['comm_MB'], row.get('comm_MB_closed'))} | {row['params_MB']:,.1f} | "
+            f"{row['grads_MB']:,.1f} | {row['optim_MB']:,.1f} | {pair(persistent, row.get('mem_MB_closed'))} | "
+            f"{row['act_MB']:,.1f} | {row['how']} |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=8, help="ranks the figures are for")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per data-parallel rank per step")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--only", default=",".join(FILES), help="comma-separated technique files to include")
+    args = p.parse_args()
+    rows = [gpt2_row(args.batch_size, args.seq_len)]
+    for name in args.only.split(","):
+        rows += rows_of(name, args.world, args.batch_size, args.seq_len)
+    print(f"GPT-2 124M, {args.world} ranks, B={args.batch_size} x T={args.seq_len} per data-parallel rank, "
+          f"MB per rank (1 MB = 1e6 bytes)\n")
+    print("| setup | sent per step | params | grads | optimizer | params+grads+optimizer | activations (bf16) | how |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for row in rows:
+        print(fmt(row))
+
+
+if __name__ == "__main__":
+    main()
