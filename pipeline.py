@@ -49,7 +49,7 @@ import torch.nn.functional as F
 import gpt2
 from gpt2 import print0
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "dualpipe", "dualpipev")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "zbh1", "interleaved", "dualpipe", "dualpipev")
 
 # ----------------------------------------------------------------------------------------------------
 # Schedules: rank r's ordered list of ops. An op is (kind, stage, micro-batch), kind one of
@@ -72,6 +72,40 @@ def one_f_one_b(P, M, rank):
         ops += [Op("F", rank, warmup + i), Op("B", rank, i)]
     ops += [Op("B", rank, i) for i in range(M - warmup, M)]  # cooldown: drain the backwards
     return ops
+
+
+def zbh1(P, M, rank):
+    """ZB-H1 (Qi et al. 2023, section 3.1): 1F1B with every backward split into I (the input gradient the
+    previous stage waits for) and W (the weight gradient nobody waits for). Rank r runs each W `r` ops
+    behind its I: the I's then travel back to rank 0 at I's pace instead of B's, and the W's held back
+    fill the cooldown, where 1F1B idles: bubble (P-1)(F+B-2W) per rank instead of (P-1)(F+B), with
+    1F1B's P - rank micro-batches in flight (tests/ checks both by simulation)."""
+    warmup, lag = min(P - 1 - rank, M), rank
+    ops, waiting = [Op("F", rank, i) for i in range(warmup)], collections.deque()
+    for i in range(M):
+        if warmup + i < M:
+            ops.append(Op("F", rank, warmup + i))
+        ops.append(Op("I", rank, i))
+        waiting.append(i)
+        if len(waiting) > lag or warmup + i >= M:  # steady state: W trails by `lag`; cooldown: drain
+            ops.append(Op("W", rank, waiting.popleft()))
+    return ops + [Op("W", rank, i) for i in waiting]
+
+
+def interleaved(P, M, rank, V):
+    """Interleaved 1F1B (Narayanan et al. 2021, section 2.2): V model chunks per rank, chunk c of rank r is
+    stage c*P + r. Micro-batches go round in groups of P: P forwards on chunk 0, P on chunk 1, ... so the
+    pipe fills V times faster; bubble (P-1)/(V*M) of the ideal time, for V times the messages."""
+    def stage_mb(k, forward):  # the k-th forward (or backward) of this rank
+        group, within = divmod(k, P * V)
+        chunk = within // P if forward else V - 1 - within // P
+        return chunk * P + rank, group * P + within % P
+    total = M * V
+    warmup = total if M == P else min(total, (P - 1 - rank) * 2 + (V - 1) * P)
+    ops = [Op("F", *stage_mb(k, True)) for k in range(warmup)]
+    for k in range(total - warmup):
+        ops += [Op("F", *stage_mb(warmup + k, True)), Op("B", *stage_mb(k, False))]
+    return ops + [Op("B", *stage_mb(k, False)) for k in range(total - warmup, total)]
 
 
 class _OpList:
@@ -141,11 +175,17 @@ def dualpipev(P, M, rank):
     return _dualpipe_phases(P, rank, M, rank, 2 * P - 1 - rank, {})
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "dualpipe": dualpipe, "dualpipev": dualpipev}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zbh1": zbh1, "interleaved": interleaved,
+             "dualpipe": dualpipe, "dualpipev": dualpipev}
 
 
-def num_stages(schedule, P):
-    return 2 * P if schedule == "dualpipev" else P
+def op_lists(schedule, P, M, V=2):
+    """Every pipeline rank's op list (V, the chunks per rank, is used by interleaved only)."""
+    return [interleaved(P, M, r, V) if schedule == "interleaved" else SCHEDULES[schedule](P, M, r) for r in range(P)]
+
+
+def num_stages(schedule, P, V=2):
+    return {"dualpipev": 2 * P, "interleaved": V * P}.get(schedule, P)
 
 
 def stage_owner(schedule, P, M, stage, mb):
@@ -154,42 +194,78 @@ def stage_owner(schedule, P, M, stage, mb):
         return stage if mb < M // 2 else P - 1 - stage
     if schedule == "dualpipev":
         return stage if stage < P else 2 * P - 1 - stage
-    return stage
+    return stage % P  # interleaved: chunk c of rank r is stage c*P + r
 
 
-def stages_of(schedule, P, rank):
+def stages_of(schedule, P, rank, V=2):
+    if schedule == "interleaved":
+        return tuple(c * P + rank for c in range(V))
     return {"dualpipe": (rank, P - 1 - rank), "dualpipev": (rank, 2 * P - 1 - rank)}.get(schedule, (rank,))
 
 
-def forward_only(schedule, P, M, rank):
+def forward_only(schedule, P, M, rank, V=2):
     """Validation: forwards only, lower stages first (a topological order in every layout)."""
-    return [Op("F", s, i) for s in sorted(stages_of(schedule, P, rank)) for i in range(M)
+    return [Op("F", s, i) for s in sorted(stages_of(schedule, P, rank, V)) for i in range(M)
             if stage_owner(schedule, P, M, s, i) == rank]
 
 
-def simulate(schedule, P, M, cost, orders=None):
+def message_out(op, S):
+    """The message an op sends: a forward its activation to the next stage, a backward (B or I) the
+    gradient of its input to the previous stage; W sends nothing. Keys name the receiving stage."""
+    if op.kind == "F" and op.stage < S - 1:
+        return ("act", op.stage + 1, op.mb)
+    if op.kind in "BI" and op.stage > 0:
+        return ("grad", op.stage - 1, op.mb)
+    return None
+
+
+def message_in(op, S):
+    """The message an op waits for (the mirror of message_out)."""
+    if op.kind == "F" and op.stage > 0:
+        return ("act", op.stage, op.mb)
+    if op.kind in "BI" and op.stage < S - 1:
+        return ("grad", op.stage, op.mb)
+    return None
+
+
+def simulate(orders, cost, paired=False):
     """Run every rank's op list against the data dependencies with op durations `cost` ({kind: time}, or
     {(kind, stage): time} for unequal stages) and free communication. Returns per-rank [(op, start,
     end)]; raises if the lists deadlock. With F=1, B=2 it reproduces the closed forms; with the measured
-    durations it is the ideal this hardware could reach with this schedule."""
-    orders, last = orders or [SCHEDULES[schedule](P, M, r) for r in range(P)], num_stages(schedule, P) - 1
+    durations it is the ideal this hardware could reach with this schedule.
+    paired: DeepSeek's execution of DualPipe, where a forward followed by a full backward of another stage
+    (an "F&B" pair of the main phase) runs as one unit: it starts when both inputs are there, and both
+    outputs leave when the unit ends, after cost["F&B"] (default F + B: no speed-up assumed from the
+    overlap, only its ordering). This file's executor runs them one after the other instead."""
+    P, S = len(orders), 1 + max(op.stage for order in orders for op in order)
+    dur = lambda op: cost.get((op.kind, op.stage), cost.get(op.kind))  # noqa: E731
     done, out, pos, free = {}, [[] for _ in range(P)], [0] * P, [0.0] * P
     while any(pos[r] < len(orders[r]) for r in range(P)):
         progressed = False
         for r in range(P):
             while pos[r] < len(orders[r]):
-                op = orders[r][pos[r]]
-                dep = (("F", op.stage - 1, op.mb) if op.kind == "F" and op.stage > 0 else  # the op it consumes
-                       ("B", op.stage + 1, op.mb) if op.kind in "BI" and op.stage < last else None)
-                if dep is not None and dep not in done:
+                op, nxt = orders[r][pos[r]], orders[r][pos[r] + 1] if pos[r] + 1 < len(orders[r]) else None
+                unit = [op, nxt] if (paired and op.kind == "F" and nxt is not None and nxt.kind == "B"
+                                     and nxt.stage != op.stage) else [op]
+                deps = [message_in(o, S) for o in unit]
+                deps = [("B" if k[0] == "grad" else "F", k[1] + (k[0] == "grad") - (k[0] == "act"), k[2])
+                        for k in deps if k is not None]
+                if any(d not in done for d in deps):
                     break
-                start = max(free[r], done[dep] if dep else 0.0)
-                free[r] = start + cost.get((op.kind, op.stage), cost.get(op.kind))
-                done[("B" if op.kind == "I" else op.kind, op.stage, op.mb)] = free[r]
-                out[r].append((op, start, free[r]))
-                pos[r], progressed = pos[r] + 1, True
+                start = max([free[r]] + [done[d] for d in deps])
+                t = start
+                for o in unit:
+                    out[r].append((o, t, t + dur(o)))
+                    t += dur(o)
+                if len(unit) == 2 and "F&B" in cost:
+                    t = start + cost["F&B"]
+                    out[r][-2:] = [(unit[0], start, start + cost["F&B"] / 2), (unit[1], start + cost["F&B"] / 2, t)]
+                free[r] = t
+                for o in unit:
+                    done[("B" if o.kind == "I" else o.kind, o.stage, o.mb)] = t
+                pos[r], progressed = pos[r] + len(unit), True
         if not progressed:
-            raise RuntimeError(f"{schedule}: the op lists deadlock (P={P}, M={M})")
+            raise RuntimeError(f"the op lists deadlock (P={P}, at ops {[o[p] if p < len(o) else None for o, p in zip(orders, pos)]})")
     return out
 
 
@@ -197,6 +273,46 @@ def bubble_fraction(ranks):
     """Mean over ranks of the idle share of the makespan, from [(op, start, end)] per rank."""
     t0, t1 = min(a for r in ranks for _, a, _ in r), max(b for r in ranks for _, _, b in r)
     return sum((t1 - t0) - sum(b - a for _, a, b in r) for r in ranks) / len(ranks) / (t1 - t0)
+
+
+# The nominal op costs the communication plan is laid out with (the ZB paper's F = I = W; any costs give
+# a deadlock-free plan, these keep receives posted close to when the data really arrives)
+PLAN_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+def plan_messages(orders, owner):
+    """The point-to-point plan of one step, a pure function of every rank's op list: for rank r, the
+    batch_isend_irecv batches to issue, batch i just before op i and the last after the last op, each a
+    list of ("send" | "recv", peer, key).
+
+    NCCL's contract (not gloo's): a send may block until the peer has posted the matching receive, the
+    n-th send a->b matches the n-th receive b<-a whatever the tags, and a rank's batches run one after
+    the other on one stream. Sending each op's output as soon as it exists and receiving each input only
+    when it is needed (the obvious plan) can deadlock: rank 0 blocks in a send that rank 1 receives only
+    after a batch of its own whose send rank 0 receives later. So the plan is laid out on one shared
+    clock, a simulation of the op lists (PLAN_COST): a message leaves with the batch right after the op
+    that made it (at the op's end time t), and the receiver posts its receive in its first batch at or
+    after t, which is never later than the batch before the op that needs it. Every batch then waits
+    only on batches that are earlier on that clock, which all complete first: no cycle, no deadlock.
+    Receives from one peer are posted in the order it sends (sorted by send time), so the n-th receive
+    is the n-th send, as NCCL matches them. tests/ checks the plan of every schedule against a model of
+    this contract."""
+    spans = simulate(orders, PLAN_COST)
+    S = 1 + max(op.stage for order in orders for op in order)
+    plans = [[[] for _ in range(len(order) + 1)] for order in orders]
+    leaving = []  # (send time, sender, op index, key, receiver)
+    for r, ops in enumerate(spans):
+        for i, (op, _, end) in enumerate(ops):
+            key = message_out(op, S)
+            if key is not None and owner(key[1], key[2]) != r:  # dualpipev's turn stays on its rank
+                dst = owner(key[1], key[2])
+                plans[r][i + 1].append(("send", dst, key))
+                leaving.append((end, r, i, key, dst))
+    for t, src, _, key, dst in sorted(leaving):
+        starts = [a for _, a, _ in spans[dst]] + [float("inf")]  # batch j is posted when op j starts
+        j = next(j for j, a in enumerate(starts) if a >= t)
+        plans[dst][j].append(("recv", src, key))
+    return plans
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -209,7 +325,10 @@ def check_args(args, world):
     if world % args.dp:
         gpt2.fail(f"--dp {args.dp} does not divide the {world} ranks", "--dp", "give a divisor of the world size")
     P, M, L = world // args.dp, args.micro_batches, gpt2.model_config(args).n_layer
-    S = num_stages(args.schedule, P)
+    V = args.virtual_stages
+    if V < 1:
+        gpt2.fail(f"--virtual-stages {V} is not a positive number of model chunks", "--virtual-stages", "give V >= 1")
+    S = num_stages(args.schedule, P, V)
     if args.batch_size % M:
         gpt2.fail(f"--batch-size {args.batch_size} is not divisible by --micro-batches {M}", "--micro-batches",
                   "give a divisor of --batch-size")
@@ -219,14 +338,15 @@ def check_args(args, world):
     if args.schedule == "dualpipe" and P % 2:
         gpt2.fail(f"dualpipe pairs ranks from both ends, P={P} is odd", "--nproc_per_node/--dp",
                   "use an even number of ranks per pipeline")
-    if args.schedule == "1f1b" and M < P:
-        gpt2.fail(f"1f1b with {M} micro-batches cannot fill {P} stages", "--micro-batches", f"give at least {P}")
+    if args.schedule in ("1f1b", "zbh1") and M < P:
+        gpt2.fail(f"{args.schedule} with {M} micro-batches cannot fill {P} stages", "--micro-batches",
+                  f"give at least {P}")
+    if args.schedule == "interleaved" and M % P:
+        gpt2.fail(f"interleaved sends micro-batches round in groups of P={P}, got {M}", "--micro-batches",
+                  f"give a multiple of {P}")
     if args.schedule in ("dualpipe", "dualpipev") and (M < 2 * P or M % 2):
         gpt2.fail(f"{args.schedule} needs an even number of micro-batches >= 2P = {2 * P}, got {M}",
                   "--micro-batches", f"give an even number >= {2 * P}")
-    if args.schedule in ("dualpipe", "dualpipev") and (args.compile or args.activation_checkpointing):
-        gpt2.fail(f"{args.schedule} splits backwards into I and W by recording the forward's matmul inputs",
-                  "--compile/--activation-checkpointing", "use these flags with gpipe or 1f1b")
     return P
 
 
@@ -272,26 +392,31 @@ class Pipeline:
         self.schedule, self.D = args.schedule, args.dp
         self.pp_rank, self.replica = ctx.rank % P, ctx.rank // P
         self.base = self.replica * P  # global rank of this replica's pipeline rank 0
-        self.S = num_stages(self.schedule, P)
+        self.V = args.virtual_stages
+        self.S = num_stages(self.schedule, P, self.V)
         model = gpt2.build_model(args)  # the full model from --seed, then keep only this rank's stages
         self.cfg, self.n_params = model.config, model.num_params()
         per = self.cfg.n_layer // self.S
         self.layers = {s: (s * per, (s + 1) * per) for s in range(self.S)}
-        self.my_stages = stages_of(self.schedule, P, self.pp_rank)
+        self.my_stages = stages_of(self.schedule, P, self.pp_rank, self.V)
         self.first, self.last = 0 in self.my_stages, self.S - 1 in self.my_stages
         keep = {i for s in self.my_stages for i in range(*self.layers[s])}
         keep_only(model, keep, self.first, self.last)
         self.model = model.to(ctx.device)
-        if args.compile:  # per block, so the stage cuts stay plain Python
-            for i in sorted(keep):
-                self.model.h[i].compile()
-        self.orders = [SCHEDULES[self.schedule](P, self.M, r) for r in range(P)]
-        self.eval_orders = [forward_only(self.schedule, P, self.M, r) for r in range(P)]
+        self.orders = op_lists(self.schedule, P, self.M, self.V)
+        self.eval_orders = [forward_only(self.schedule, P, self.M, r, self.V) for r in range(P)]
+        self.plan, self.eval_plan = plan_messages(self.orders, self._owner), plan_messages(self.eval_orders, self._owner)
         self._tape = None
-        if self.schedule in ("dualpipe", "dualpipev"):  # record matmul/LayerNorm inputs for W
+        if any(op.kind == "I" for op in self.orders[self.pp_rank]):  # record matmul/LayerNorm inputs for W
             for m in self.model.modules():
                 if isinstance(m, (nn.Linear, nn.LayerNorm)):
-                    m.register_forward_hook(self._record)
+                    self._record_inputs(m)
+        if args.compile:  # per block, so the stage cuts (and the I/W recording) stay plain Python
+            for i in sorted(keep):
+                self.model.h[i].compile()
+        # activations and their gradients cross the wire in the run's compute dtype (bf16 on GPUs: half
+        # the bytes); the residual stream they belong to is fp32 (autocast), so receivers cast back
+        self.wire_dtype, self.resid_dtype = ctx.dtype, torch.float32
         self.timeline = Timeline(ctx.device)
         self.peak_held = 0
         self._make_groups()
@@ -319,9 +444,9 @@ class Pipeline:
             g = new(ranks)
             if r in ranks:
                 self.grad_group, self.grad_group_size = g, len(ranks)
-        # the tied wte/lm_head when the first and last stage are on different ranks (gpipe, 1f1b): each
+        # the tied wte/lm_head when the first and last stage are on different ranks (all but dualpipe(v)): each
         # keeps a copy and their gradients are summed every step, as Megatron-LM's embedding group does
-        self.tied_split = self.schedule in ("gpipe", "1f1b") and P > 1
+        self.tied_split = self.schedule not in ("dualpipe", "dualpipev") and P > 1
         if self.tied_split:
             for d in range(D):
                 ends = [d * P, d * P + P - 1]
@@ -342,50 +467,39 @@ class Pipeline:
     def _owner(self, stage, mb):
         return stage_owner(self.schedule, self.P, self.M, stage, mb)
 
-    def _sends(self, order):
-        """(destination, message) for every message a rank with op list `order` sends, in its order."""
-        for op in order:
-            if op.kind == "F" and op.stage < self.S - 1:
-                yield self._owner(op.stage + 1, op.mb), ("act", op.stage + 1, op.mb)
-            if op.kind in "BI" and op.stage > 0:
-                yield self._owner(op.stage - 1, op.mb), ("grad", op.stage - 1, op.mb)
-
     def _tag(self, key):
         return ((key[0] == "grad") * self.S + key[1]) * self.M + key[2]
 
     def _send(self, key, tensor):
-        dst = self._owner(key[1], key[2])
-        if dst == self.pp_rank:  # the turn of the V in dualpipev: stage P-1 feeds stage P on this rank
+        """Queue an op's output for the batch that plan_messages put its send in (the next one)."""
+        if self._owner(key[1], key[2]) == self.pp_rank:  # the turn of the V in dualpipev: stage P-1 feeds P here
             self.inbox[key] = (tensor.detach(), [])
             return
-        t = tensor.detach().contiguous()
-        self.outbox.append(dist.P2POp(dist.isend, t, self.base + dst, tag=self._tag(key)))
-        self.comm.send(t.numel() * t.element_size())
+        self.outbox[key] = tensor.detach().to(self.wire_dtype).contiguous()
 
-    def _exchange(self, need=()):
-        """Post the pending sends together with the receives `need` calls for, in one batch_isend_irecv.
-        Receives from a peer are posted in the order the peer sends (every rank knows every rank's op
-        list), so the n-th receive always matches the n-th send: NCCL matches by order, not by tag.
-        Sends are waited for only at the end of the step, so a rank never blocks on its own sends."""
-        recvs = []
-        for key in need:
-            if key in self.inbox:
-                continue
-            src = self._owner(key[1] - 1 if key[0] == "act" else key[1] + 1, key[2])
-            while key not in self.inbox:
-                k = self.expect[src].popleft()
-                buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.ctx.device)
-                recvs.append((k, dist.P2POp(dist.irecv, buf, self.base + src, tag=self._tag(k))))
-                self.inbox[k] = (buf, [])
-        ops = self.outbox + [op for _, op in recvs]
+    def _issue(self, batch):
+        """One planned batch_isend_irecv: the queued sends and the receives the plan posts here."""
+        ops, recvs = [], []
+        for kind, peer, key in batch:
+            if kind == "send":
+                t = self.outbox.pop(key)
+                ops.append(dist.P2POp(dist.isend, t, self.base + peer, tag=self._tag(key)))
+                self.comm.send(t.numel() * t.element_size())
+            else:
+                buf = torch.empty(self.act_shape, dtype=self.wire_dtype, device=self.ctx.device)
+                recvs.append(key)
+                ops.append(dist.P2POp(dist.irecv, buf, self.base + peer, tag=self._tag(key)))
         if ops:
             works = dist.batch_isend_irecv(ops)
             # gloo answers one work per op, NCCL one for the whole (grouped) batch
             per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
-            self.sent += [(w, op.tensor) for w, op in zip(per_op, self.outbox)]  # keeps send buffers alive
-            for (k, op), w in zip(recvs, per_op[len(self.outbox):]):
-                self.inbox[k] = (op.tensor, w)
-        self.outbox = []
+            n_send = len(ops) - len(recvs)
+            self.sent += [(w, op.tensor) for w, op in zip(per_op[:n_send], ops[:n_send])]
+            for key, op, w in zip(recvs, ops[n_send:], per_op[n_send:]):
+                self.inbox[key] = (op.tensor, w)
+        # a send buffer is dropped as soon as its send is done: the stage output it holds is then freed
+        # (Megatron's deallocate_output_tensor; backward needs only the graph, kept as a GradientEdge)
+        self.sent = [(w, t) for w, t in self.sent if not all(x.is_completed() for x in w)]
 
     def _take(self, key):
         tensor, works = self.inbox.pop(key)
@@ -395,9 +509,20 @@ class Pipeline:
 
     # -- compute ----------------------------------------------------------------------------------------
 
-    def _record(self, module, inputs, output):
-        if self._tape is not None:
-            self._tape.append((module, inputs[0], output))
+    def _record_inputs(self, module):
+        """Wrap a Linear/LayerNorm so that, inside a forward that will be split into I and W, it writes
+        (module, input, where its output's gradient arrives) on the tape: W needs exactly the input and
+        that gradient. The output itself is not kept (for lm_head it is the B/M x T x V logits). Under
+        --compile the wrapper stays eager (a graph break), so the recording sees real tensors."""
+        forward = module.forward
+
+        @torch.compiler.disable
+        def recorded(x):
+            y = forward(x)
+            if self._tape is not None:
+                self._tape.append((module, x, torch.autograd.graph.get_gradient_edge(y)))
+            return y
+        module.forward = recorded
 
     def _forward(self, op, xs, ys):
         s, mb = op.stage, op.mb
@@ -406,34 +531,35 @@ class Pipeline:
         self._tape = tape
         with self.ctx.autocast():
             if s == 0:
-                h_in, h = None, self.model.embed(xs[mb])
+                h_in, h = None, self.model.embed(xs[mb])  # (B/M, T, C)
                 if tape is not None:
-                    tape.append(("embed", xs[mb], h))
+                    tape.append(("embed", xs[mb], torch.autograd.graph.get_gradient_edge(h)))
             else:
-                h_in = h = self._take(("act", s, mb)).requires_grad_(torch.is_grad_enabled())
-            h = self.model.forward_blocks(h, lo, hi)
+                h_in = h = self._take(("act", s, mb)).to(self.resid_dtype).requires_grad_(torch.is_grad_enabled())
+            h = self.model.forward_blocks(h, lo, hi)  # (B/M, T, C)
             if s == self.S - 1:
                 # loss of a step = mean over micro-batches, so each micro-batch's loss is scaled by 1/M
                 out = self.model.head_loss(h, ys[mb]) * self.scale
                 self.loss_sum += out.detach().float()
         self._tape = None
         if s < self.S - 1:
-            out = h
             self._send(("act", s + 1, mb), h)
+            # backward needs the graph behind h, not h: once sent, h is freed (deallocate_output_tensor)
+            out = torch.autograd.graph.get_gradient_edge(h) if torch.is_grad_enabled() else None
         if torch.is_grad_enabled():
             self.saved[(s, mb)] = (h_in, out, tape)
 
     def _backward(self, op):
         s, mb = op.stage, op.mb
         h_in, out, tape = self.saved.pop((s, mb))
-        grad = None if s == self.S - 1 else self._take(("grad", s, mb))
+        grad = None if s == self.S - 1 else self._take(("grad", s, mb)).to(self.resid_dtype)
         if op.kind == "B":
             torch.autograd.backward(out, grad)
             g_in = h_in.grad if h_in is not None else None
         else:
             # I: the gradient w.r.t. the stage input (needed downstream now) and w.r.t. every matmul's and
             # LayerNorm's output; autograd skips the weight-gradient matmuls, which W does later
-            inputs = ([h_in] if h_in is not None else []) + [t for _, _, t in tape]
+            inputs = ([h_in] if h_in is not None else []) + [edge for _, _, edge in tape]
             grads = torch.autograd.grad(out, inputs, grad)
             g_in = grads[0] if h_in is not None else None
             self.deferred[(s, mb)] = [(m, x, dy) for (m, x, _), dy in zip(tape, grads[len(grads) - len(tape):])]
@@ -456,14 +582,14 @@ class Pipeline:
             if m.bias is not None:
                 _accumulate(m.bias, dy2.float().sum(0))
 
-    def run(self, orders, x, y, scale, align=False, timed=True):
-        """Run this rank's op list on the batch (x, y) -> this rank's part of the loss (sum of scaled
-        micro-batch losses; non-zero only where a last stage lives). timed: record it in the timeline."""
+    def run(self, x, y, scale, train=True, align=False, timed=True):
+        """Run this rank's op list (training, or evaluation's forwards) and its planned messages on the
+        batch (x, y) -> this rank's part of the loss (sum of scaled micro-batch losses; non-zero only
+        where a last stage lives). timed: record it in the timeline."""
+        orders, plan = (self.orders, self.plan) if train else (self.eval_orders, self.eval_plan)
         me = self.pp_rank
-        self.expect = {p: collections.deque(k for dst, k in self._sends(orders[p]) if dst == me)
-                       for p in range(self.P) if p != me}
         self.split = {(op.stage, op.mb) for op in orders[me] if op.kind == "I"}
-        self.inbox, self.outbox, self.sent, self.saved, self.deferred = {}, [], [], {}, {}
+        self.inbox, self.outbox, self.sent, self.saved, self.deferred = {}, {}, [], {}, {}
         B = x.size(0) // self.M
         self.act_shape, self.scale = (B, x.size(1), self.cfg.n_embd), scale
         xs, ys = x.to(self.ctx.device).split(B), y.to(self.ctx.device).split(B)
@@ -472,11 +598,10 @@ class Pipeline:
             dist.barrier()  # start the drawn step together, so the ranks' clocks line up in the picture
         if timed:
             self.timeline.reset()
-        for op in orders[me]:
-            need = ([("act", op.stage, op.mb)] if op.kind == "F" and op.stage > 0 else
-                    [("grad", op.stage, op.mb)] if op.kind in "BI" and op.stage < self.S - 1 else [])
-            self._exchange(need)  # this op's input, and the previous op's outputs leave
-            for key in need:  # wait before the clock starts: time spent waiting on a peer is bubble, not work
+        for op, batch in zip(orders[me], plan[me]):
+            self._issue(batch)  # the previous op's output leaves, receives are posted as planned
+            key = message_in(op, self.S)
+            if key is not None:  # wait before the clock starts: time spent waiting on a peer is bubble, not work
                 self.inbox[key] = (self._take(key), [])
             with self.timeline.op(op) if timed else contextlib.nullcontext():
                 if op.kind == "F":
@@ -486,10 +611,10 @@ class Pipeline:
                 else:
                     self._backward(op)
             self.peak_held = max(self.peak_held, len(self.saved.keys() | self.deferred.keys()))
-        self._exchange()
+        self._issue(plan[me][-1])
         for w in (w for works, _ in self.sent for w in works):
             w.wait()
-        assert not (self.inbox or self.saved or self.deferred or any(self.expect.values())), "schedule left work behind"
+        assert not (self.inbox or self.outbox or self.saved or self.deferred), "schedule left work behind"
         self.sent = []
         return self.loss_sum
 
@@ -537,7 +662,7 @@ class Pipeline:
         total = torch.zeros((), device=self.ctx.device)
         for _ in range(steps):
             x, y = loader.next_batch()
-            total += self.run(self.eval_orders, x, y, 1.0 / self.M, timed=False)
+            total += self.run(x, y, 1.0 / self.M, train=False, timed=False)
         return self.global_loss(total / steps)
 
 
@@ -567,11 +692,12 @@ def _accumulate(p, g, rows=None):
 # Bubble report and the schedule picture
 
 
-def bubble_stats(name, P, M, ranks):
+def bubble_stats(name, P, M, ranks, V=2):
     """One step's timeline ([(op, start, end)] per rank) -> the measured bubble (mean idle share of the
     step), the closed form (which assumes equal stages), and a simulation of the op lists with the
     measured mean duration of each (kind, stage): on small models the last stage's vocabulary-sized
-    head makes it much slower than the others, a bubble no schedule removes."""
+    head makes it much slower than the others, a bubble no schedule removes. DualPipe(V) is simulated
+    twice: as this executor runs it (F, then B) and as DeepSeek runs it (each F&B pair one unit)."""
     step = max(b for r in ranks for _, _, b in r) - min(a for r in ranks for _, a, _ in r)
     ms = {k: sum(b - a for r in ranks for op, a, b in r if op.kind == k) /
           max(1, sum(op.kind == k for r in ranks for op, _, _ in r)) for k in "FBIW"}
@@ -580,15 +706,24 @@ def bubble_stats(name, P, M, ranks):
     for op, a, b in (s for r in ranks for s in r):
         per_stage[(op.kind, op.stage)].append(b - a)
     per_stage = {k: sum(v) / len(v) for k, v in per_stage.items()}
+    orders = op_lists(name, P, M, V)
+    costs = f"F={cost['F']:.2f} B={cost['B']:.2f} W={cost['W']:.2f} ms"
     if name in ("gpipe", "1f1b"):
         closed = f"(P-1)/(M+P-1) = {(P - 1) / (M + P - 1):.3f}"
-    else:  # DeepSeek-V3 table 2, a time per rank (F&B = F+B here: no overlap); DualPipeV = DualPipe over 2P
+    elif name == "interleaved":
+        closed = f"(P-1)/(V*M+P-1) = {(P - 1) / (V * M + P - 1):.3f}"
+    elif name == "zbh1":
+        closed = f"(P-1)(F+B-2W) = {(P - 1) * (cost['F'] + cost['B'] - 2 * cost['W']):.2f} ms idle per rank ({costs})"
+    else:  # DeepSeek-V3 table 2, a time per rank, F&B = F+B (no faster for the overlap); DualPipeV = DualPipe over 2P
         n, label = (P / 2 - 1, "P/2-1") if name == "dualpipe" else (P - 1, "P-1")
         closed = (f"({label})(F&B+B-3W) = {n * (cost['F'] + 2 * cost['B'] - 3 * cost['W']):.2f} ms idle per rank "
-                  f"(F={cost['F']:.2f} B={cost['B']:.2f} W={cost['W']:.2f} ms)")
+                  f"({costs}, F&B=F+B)")
     bubble = bubble_fraction(ranks)
-    return {"bubble": bubble, "idle_ms": bubble * step, "step_ms": step, "closed": closed, "op_ms": ms,
-            "simulated": bubble_fraction(simulate(name, P, M, per_stage))}
+    st = {"bubble": bubble, "idle_ms": bubble * step, "step_ms": step, "closed": closed, "op_ms": ms,
+          "simulated": bubble_fraction(simulate(orders, per_stage))}
+    if name in ("dualpipe", "dualpipev"):
+        st["simulated_paired"] = bubble_fraction(simulate(orders, per_stage, paired=True))
+    return st
 
 
 def report(pipe, args):
@@ -604,11 +739,14 @@ def report(pipe, args):
         return None
     P, M, name = pipe.P, pipe.M, args.schedule
     ranks = [[(Op(*op), a, b) for op, a, b in g["spans"]] for g in gathered[:P]]  # replica 0
-    st = bubble_stats(name, P, M, ranks)
+    st = bubble_stats(name, P, M, ranks, pipe.V)
     st.update(schedule=name, P=P, M=M, peak_held=[g["peak_held"] for g in gathered[:P]],
               spans=[g["spans"] for g in gathered])
+    paired = (f" | simulated as DeepSeek runs it (F&B pairs as one unit) {st['simulated_paired']:.3f}"
+              if "simulated_paired" in st else "")
     print0(f"{name} P={P} M={M}: measured bubble {st['bubble']:.3f} of a {st['step_ms']:.1f} ms step | closed form "
-           f"{st['closed']} | simulated with the measured op times {st['simulated']:.3f}")
+           f"{st['closed']} | simulated with the measured op times, as this executor runs it {st['simulated']:.3f}"
+           + paired)
     print0(f"peak micro-batch activations held per rank: {st['peak_held']}")
     with open(os.path.join(args.out, "schedule.json"), "w") as f:
         json.dump(st, f)
@@ -650,10 +788,12 @@ def draw_schedule(ranks, path, title, pale):
 
 
 def make_parser():
-    p = gpt2.make_parser("Train GPT-2 with pipeline parallelism (GPipe, 1F1B, DualPipe, DualPipeV).")
+    p = gpt2.make_parser("Train GPT-2 with pipeline parallelism (GPipe, 1F1B, ZB-H1, interleaved 1F1B, DualPipe, "
+                         "DualPipeV).")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES, help="pipeline schedule")
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches M that --batch-size is split into")
     p.add_argument("--dp", type=int, default=1, help="data-parallel pipeline replicas D (world = P * D)")
+    p.add_argument("--virtual-stages", type=int, default=2, help="interleaved: model chunks V per rank")
     return p
 
 
@@ -680,7 +820,7 @@ def train(argv=None):
         loss_sum = torch.zeros((), device=ctx.device)
         for _ in range(args.grad_accum):
             x, y = train_loader.next_batch()
-            loss_sum += pipe.run(pipe.orders, x, y, scale, align=step == args.steps - 1)
+            loss_sum += pipe.run(x, y, scale, align=step == args.steps - 1)
         pipe.sync_grads()
         loss_val = pipe.global_loss(loss_sum)
         if args.grad_clip > 0:

@@ -1,6 +1,8 @@
 """pipeline.py: the schedules' definitions, each schedule's loss and gradients vs the unsplit model and vs
 torch.distributed.pipelining on the same stages, and 8-step loss curves vs `gpt2.py train` at 2 and 4 ranks."""
+import collections
 import copy
+import functools
 import json
 import os
 
@@ -39,14 +41,13 @@ def torch_dualpipev_order(P, M, rank):
 
 def check_well_formed(name, P, M):
     """Every (stage, micro-batch) of every rank: one F, then one backward (B, or I then its W)."""
-    for r in range(P):
-        ops = pl.SCHEDULES[name](P, M, r)
+    for r, ops in enumerate(pl.op_lists(name, P, M)):
         seen = {}
         for i, op in enumerate(ops):
             seen.setdefault((op.stage, op.mb), []).append(op.kind)
             assert pl.stage_owner(name, P, M, op.stage, op.mb) == r
         assert all(k in (["F", "B"], ["F", "I", "W"]) for k in seen.values()), (name, P, M, r, ops)
-        assert len(seen) == M * len(pl.stages_of(name, P, r)) // (2 if name == "dualpipe" else 1)
+        assert len(seen) == M * len(pl.stages_of(name, P, r)) // (2 if name == "dualpipe" else 1), (name, P, M)
 
 
 def test_schedule_definitions():
@@ -69,27 +70,163 @@ def test_schedule_definitions():
         for r in range(P):
             mirror = [pl.Op(o.kind, o.stage, (o.mb + M // 2) % M) for o in pl.dualpipe(P, M, P - 1 - r)]
             assert pl.dualpipe(P, M, r) == mirror
+    # ZB-H1: 1F1B's order of forwards and input gradients, each W `rank` ops late, 1F1B's memory
+    for P, M in ((2, 4), (4, 8), (4, 5)):
+        for r in range(P):
+            ops = pl.zbh1(P, M, r)
+            assert [o for o in ops if o.kind != "W"] == [pl.Op("I" if o.kind == "B" else "F", o.stage, o.mb)
+                                                         for o in pl.one_f_one_b(P, M, r)]
+            kinds = "".join(o.kind for o in ops)
+            assert max(kinds[:i].count("F") - kinds[:i].count("I") for i in range(len(kinds))) == P - r
+    # interleaved: Megatron's order, chunk c of rank r is stage c*P + r, groups of P micro-batches
+    assert [tuple(o) for o in pl.interleaved(2, 4, 0, 2)[:8]] == [
+        ("F", 0, 0), ("F", 0, 1), ("F", 2, 0), ("F", 2, 1), ("F", 0, 2), ("B", 2, 0), ("F", 0, 3), ("B", 2, 1)]
     for name in pl.SCHEDULES:
         for P, M in ((2, 4), (4, 8), (4, 12)):
             check_well_formed(name, P, M)
 
 
+def idle_per_rank(spans):
+    end = max(b for r in spans for _, _, b in r)
+    return [end - sum(b - a for _, a, b in r) for r in spans]
+
+
 def test_bubbles_by_simulation():
-    # with F=1, B=2 and free communication the op lists reproduce the closed forms exactly
+    # with F=1, B=2 (I=W=1) and free communication the op lists reproduce the closed forms exactly
     cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-    for name in ("gpipe", "1f1b"):
-        for P, M in ((2, 4), (4, 8), (4, 16)):
-            frac = pl.bubble_fraction(pl.simulate(name, P, M, cost))
-            assert abs(frac - (P - 1) / (M + P - 1)) < 1e-9
-    # DualPipe: no bubble at P=2, and far less than 1F1B's at P=4, 8; every schedule is deadlock-free
-    assert pl.bubble_fraction(pl.simulate("dualpipe", 2, 4, cost)) == 0.0
+    for P, M in ((2, 4), (4, 8), (4, 16), (8, 16)):
+        for name in ("gpipe", "1f1b"):
+            assert abs(pl.bubble_fraction(pl.simulate(pl.op_lists(name, P, M), cost)) - (P - 1) / (M + P - 1)) < 1e-9
+        # ZB-H1: (P-1)(F+B-2W) idle per rank, against 1F1B's (P-1)(F+B)
+        assert idle_per_rank(pl.simulate(pl.op_lists("zbh1", P, M), cost)) == [(P - 1) * (1 + 2 - 2)] * P
+        for V in (2, 3):  # interleaved, chunks 1/V of a stage: bubble (P-1)/(V*M) of the ideal time
+            frac = pl.bubble_fraction(pl.simulate(pl.op_lists("interleaved", P, M, V), {"F": 1 / V, "B": 2 / V}))
+            assert abs(frac - (P - 1) / (V * M + P - 1)) < 1e-9, (P, M, V)
+        # DualPipe(V): DeepSeek-V3 table 2's (PP/2-1)(F&B+B-3W) idle per rank is what the paper's execution
+        # (F&B pairs as one unit) gives; this file's executor, F then B, idles half of that here
+        for name, n in (("dualpipe", P / 2 - 1), ("dualpipev", P - 1)):
+            if M < 2 * P:
+                continue
+            assert idle_per_rank(pl.simulate(pl.op_lists(name, P, M), cost, paired=True)) == [n * (3 + 2 - 3)] * P
+            assert idle_per_rank(pl.simulate(pl.op_lists(name, P, M), cost)) == [n * (3 + 2 - 3) / 2] * P
+    assert pl.bubble_fraction(pl.simulate(pl.op_lists("dualpipe", 2, 4), cost)) == 0.0
     for P in (4, 8):
-        one = pl.bubble_fraction(pl.simulate("1f1b", P, 2 * P, cost))
+        one = pl.bubble_fraction(pl.simulate(pl.op_lists("1f1b", P, 2 * P), cost))
         for name in ("dualpipe", "dualpipev"):
-            assert pl.bubble_fraction(pl.simulate(name, P, 2 * P, cost)) < one / 2
+            assert pl.bubble_fraction(pl.simulate(pl.op_lists(name, P, 2 * P), cost)) < one / 2
     bad = [pl.Op("B", 0, 0), pl.Op("F", 0, 0)]  # a backward before its forward cannot run
     with pytest.raises(RuntimeError, match="deadlock"):
-        pl.simulate("1f1b", 2, 1, cost, orders=[bad, pl.one_f_one_b(2, 1, 1)])
+        pl.simulate([bad, pl.one_f_one_b(2, 1, 1)], cost)
+
+
+# -- NCCL's point-to-point contract, modelled (no processes) ----------------------------------------------
+
+def nccl_p2p_check(batches):
+    """A model of NCCL's point-to-point contract. batches[r]: rank r's batch_isend_irecv calls in order, each a
+    list of ("send" | "recv", peer, tag, nbytes). Rules: a rank runs one batch at a time, in order; the n-th
+    send a->b matches the n-th recv b<-a (tags are not used for matching, only checked); an op completes only
+    once the peer has reached the batch holding its match; a batch completes when all its ops have.
+    Returns None, or one line naming the unmatched op, the mismatch or the deadlock."""
+    R, where = len(batches), collections.defaultdict(list)  # (src, dst, "send"/"recv") -> [(batch, tag, bytes)]
+    for r, rank_batches in enumerate(batches):
+        for j, batch in enumerate(rank_batches):
+            for kind, peer, tag, nbytes in batch:
+                pair = (r, peer) if kind == "send" else (peer, r)
+                where[pair + (kind,)].append((j, tag, nbytes))
+    match = {}  # (rank, batch, op index) -> (peer, the batch holding the match)
+    for (src, dst, kind) in list(where):
+        if kind != "send":
+            continue
+        sends, recvs = where[(src, dst, "send")], where.get((src, dst, "recv"), [])
+        if len(sends) != len(recvs):
+            return f"unmatched: {len(sends)} sends {src}->{dst}, {len(recvs)} recvs"
+        for (js, ts, bs), (jr, tr, br) in zip(sends, recvs):
+            if (ts, bs) != (tr, br):
+                return f"mismatch {src}->{dst}: send {ts} ({bs} B) meets recv {tr} ({br} B)"
+    if any(len(where.get((s, d, "send"), [])) != len(v) for (s, d, k), v in where.items() if k == "recv"):
+        return "unmatched: a recv with no send"
+    peer_batch = {}
+    for (src, dst, kind), ops in where.items():
+        for n, (j, _, _) in enumerate(ops):
+            me, peer = (src, dst) if kind == "send" else (dst, src)
+            other = where[(src, dst, "recv" if kind == "send" else "send")][n][0]
+            peer_batch.setdefault((me, j), []).append((peer, other))
+    pos = [0] * R
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(R):
+            while pos[r] < len(batches[r]) and all(pos[p] >= j for p, j in peer_batch.get((r, pos[r]), [])):
+                pos[r] += 1
+                progressed = True
+    if all(pos[r] == len(batches[r]) for r in range(R)):
+        return None
+    stuck = {r: batches[r][pos[r]] for r in range(R) if pos[r] < len(batches[r])}
+    return f"deadlock: rank -> blocked batch {stuck}"
+
+
+def legacy_plan(orders, owner, S):
+    """The executor before plan_messages: before each op, one batch with the previous op's sends and the
+    receives this op needs (posted in the peer's send order); the last op's sends alone at the end."""
+    P = len(orders)
+    out = []
+    for me in range(P):
+        expect = {p: collections.deque(k for op in orders[p] for k in [pl.message_out(op, S)]
+                                       if k and owner(k[1], k[2]) == me) for p in range(P) if p != me}
+        batches, outbox, posted = [], [], set()
+        for op in orders[me]:
+            need, recvs = pl.message_in(op, S), []
+            src = None if need is None else owner(need[1] + (1 if need[0] == "grad" else -1), need[2])
+            while src not in (None, me) and need not in posted:
+                k = expect[src].popleft()
+                posted.add(k)
+                recvs.append(("recv", src, k))
+            batches.append(outbox + recvs)
+            k = pl.message_out(op, S)
+            outbox = [("send", owner(k[1], k[2]), k)] if k and owner(k[1], k[2]) != me else []
+        out.append(batches + [outbox])
+    return out
+
+
+def as_batches(plans, S, M, dp=1, nbytes=2 * 16 * 32 * 4):
+    """plan_messages' plans of D pipeline replicas -> the checker's global-rank batches, tagged as the executor tags."""
+    P, tag = len(plans), lambda k: ((k[0] == "grad") * S + k[1]) * M + k[2]  # noqa: E731
+    return [[[(kind, d * P + peer, tag(key), nbytes) for kind, peer, key in batch] for batch in plans[r]]
+            for d in range(dp) for r in range(P)]
+
+
+def test_nccl_p2p_contract():
+    smallest = {"gpipe": lambda P: 1, "dualpipe": lambda P: 2 * P, "dualpipev": lambda P: 2 * P}
+    checked = 0
+    for name in pl.SCHEDULE_NAMES:
+        for P in (2, 4, 6, 8):
+            if name == "dualpipe" and P % 2:
+                continue
+            for M in range(smallest.get(name, lambda P: P)(P), 4 * P + 1):
+                if (name == "interleaved" and M % P) or (name.startswith("dualpipe") and M % 2):
+                    continue
+                S, owner = pl.num_stages(name, P), functools.partial(pl.stage_owner, name, P, M)
+                for orders in (pl.op_lists(name, P, M), [pl.forward_only(name, P, M, r) for r in range(P)]):
+                    plans = pl.plan_messages(orders, owner)
+                    for dp in (1, 2):
+                        assert nccl_p2p_check(as_batches(plans, S, M, dp)) is None, (name, P, M, dp)
+                        checked += 1
+    assert checked == 1088
+    # negative controls: the old plan deadlocks DualPipe(V) and interleaved (gloo buffers sends and never
+    # showed it); a swapped pair of receives, and a missing one, are reported
+    for name, P, M in (("dualpipe", 2, 4), ("dualpipev", 2, 4), ("dualpipev", 4, 8), ("interleaved", 2, 4)):
+        S, owner = pl.num_stages(name, P), functools.partial(pl.stage_owner, name, P, M)
+        assert nccl_p2p_check(as_batches(legacy_plan(pl.op_lists(name, P, M), owner, S), S, M)).startswith("deadlock")
+    for name in ("gpipe", "1f1b"):  # ... and passes where it was safe: GPipe and 1F1B never send first both ways
+        S, owner = 4, functools.partial(pl.stage_owner, name, 4, 8)
+        assert nccl_p2p_check(as_batches(legacy_plan(pl.op_lists(name, 4, 8), owner, S), S, 8)) is None
+    plans = pl.plan_messages(pl.op_lists("1f1b", 2, 4), functools.partial(pl.stage_owner, "1f1b", 2, 4))
+    recvs = [(j, i) for j, b in enumerate(plans[1]) for i, m in enumerate(b) if m[0] == "recv"]
+    (j0, i0), (j1, i1) = recvs[:2]
+    plans[1][j0][i0], plans[1][j1][i1] = plans[1][j1][i1], plans[1][j0][i0]
+    assert nccl_p2p_check(as_batches(plans, 2, 4)).startswith("mismatch")
+    del plans[1][j0][i0]
+    assert nccl_p2p_check(as_batches(plans, 2, 4)).startswith("unmatched")
 
 
 def test_bad_input_is_a_clear_error():
@@ -102,11 +239,14 @@ def test_bad_input_is_a_clear_error():
              (args("--schedule", "dualpipe", "--micro-batches", "4"), 4, "even number of micro-batches >= 2P = 8"),
              (args("--batch-size", "6", "--micro-batches", "4"), 2, "--batch-size 6 is not divisible"),
              (args("--dp", "3"), 4, "--dp 3 does not divide"),
-             (args("--schedule", "dualpipe", "--compile"), 2, "--compile")]
+             (args("--schedule", "interleaved", "--micro-batches", "3", "--batch-size", "6"), 2, "groups of P=2"),
+             (args("--schedule", "interleaved", "--virtual-stages", "0"), 2, "--virtual-stages 0"),
+             (args("--schedule", "zbh1", "--micro-batches", "2"), 4, "zbh1 with 2 micro-batches cannot fill")]
     for a, world, msg in cases:
         with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace("+", r"\+")):
             pl.check_args(a, world)
     assert pl.check_args(args("--schedule", "dualpipev", "--n-layer", "8", "--micro-batches", "8"), 4) == 4
+    assert pl.check_args(args("--schedule", "dualpipe", "--compile", "--activation-checkpointing"), 2) == 2
 
 
 # -- 2 ranks in one launch: gradients vs the unsplit model and vs torch.distributed.pipelining ------------
@@ -174,7 +314,7 @@ def _two_rank_worker(rank, world, data, out):
         args = pl.make_parser().parse_args(argv)
         ctx = gpt2.setup(args)
         pipe = pl.Pipeline(args, ctx, pl.check_args(args, world), gpt2.CommMeter())
-        loss = pipe.global_loss(pipe.run(pipe.orders, x, y, 1.0 / pipe.M))
+        loss = pipe.global_loss(pipe.run(x, y, 1.0 / pipe.M))
         pipe.sync_grads()
         ran = [op for op, _, _ in pipe.timeline.spans()]
         ref = gpt2.build_model(args)  # the unsplit model on the whole batch
@@ -185,7 +325,7 @@ def _two_rank_worker(rank, world, data, out):
         r = {"loss": abs(loss - ref_loss.item()) / ref_loss.item(),
              "grad": max(rel(g, ref_grads[n]) for n, g in ours.items()),
              "n_params": len(ours), "order": ran == pipe.orders[pipe.pp_rank]}
-        if name != "dualpipe":  # torch has no bidirectional DualPipe
+        if name in ("gpipe", "1f1b", "dualpipev"):  # the schedules torch has in the same layout
             t_loss, t_grads = torch_pipelining_grads(name, pipe, args, x, y)
             r["torch_grad"] = max(rel(t_grads[n], g) for n, g in ours.items())
             r["torch_loss"] = None if t_loss is None else abs(t_loss - loss) / loss
@@ -215,14 +355,14 @@ def test_two_ranks_every_schedule(random_data, tmp_path, baselines):
             assert r["order"], (name, rank)
             assert r["loss"] < 1e-5 and r["grad"] < 1e-4, (name, rank, r)
             assert r["n_params"] > 0
-            if name != "dualpipe":
+            if name in ("gpipe", "1f1b", "dualpipev"):
                 assert r["torch_grad"] < 1e-4, (name, rank, r)
                 assert r["torch_loss"] is None or r["torch_loss"] < 1e-5, (name, rank, r)
         d = os.path.join(str(tmp_path), name)
         assert max_rel_diff(losses(d), baselines["L4B8"]) <= 1e-4, name
         sched = json.load(open(os.path.join(d, "schedule.json")))
         assert [[tuple(s[0]) for s in spans] for spans in sched["spans"]] == \
-               [[tuple(op) for op in pl.SCHEDULES[name](2, 4, r)] for r in range(2)]
+               [[tuple(op) for op in order] for order in pl.op_lists(name, 2, 4)]
         assert 0.0 < sched["bubble"] < 1.0 and os.path.getsize(os.path.join(d, "schedule.png")) > 10_000
     # bytes rank 0 sends in a 1f1b step: M activations of (B/M, T, E) fp32, the tied wte's all-reduce
     # (2(n-1)/n of it, n=2), and the 4-byte loss and grad-norm all-reduces
@@ -233,12 +373,14 @@ def test_two_ranks_every_schedule(random_data, tmp_path, baselines):
     assert held["gpipe"] == [4, 4] and held["1f1b"] == [2, 1] and held["dualpipe"] == [3, 3]
 
 
-# -- 4 ranks: DualPipe at P=4, DualPipeV over 8 stages, 1F1B x data parallel (P=2, D=2) ------------------
+# -- 4 ranks: DualPipe at P=4, DualPipeV over 8 stages, 1F1B x data parallel (P=2, D=2), ZB-H1, interleaved
 
 def _four_rank_worker(rank, world, data, out):
     runs = {"dualpipe": ["--schedule", "dualpipe", "--micro-batches", "8", "--batch-size", "8"],
             "dualpipev": ["--schedule", "dualpipev", "--micro-batches", "8", "--batch-size", "8", "--n-layer", "8"],
-            "1f1b_dp2": ["--schedule", "1f1b", "--micro-batches", "2", "--batch-size", "4", "--dp", "2"]}
+            "1f1b_dp2": ["--schedule", "1f1b", "--micro-batches", "2", "--batch-size", "4", "--dp", "2"],
+            "zbh1": ["--schedule", "zbh1", "--micro-batches", "4", "--batch-size", "8"],
+            "interleaved": ["--schedule", "interleaved", "--micro-batches", "4", "--batch-size", "8", "--n-layer", "8"]}
     for key, argv in runs.items():
         pl.train(argv + ["--data", data, "--out", os.path.join(out, key)] + SMALL + ["--eval-every", "0"])
     return True
@@ -247,7 +389,8 @@ def _four_rank_worker(rank, world, data, out):
 def test_four_ranks(random_data, tmp_path, baselines):
     run_distributed(_four_rank_worker, 4, random_data, str(tmp_path), timeout=300)
     # 1f1b_dp2: two replicas of 4 rows each are the baseline's batch of 8
-    for key, base in {"dualpipe": "L4B8", "dualpipev": "L8B8", "1f1b_dp2": "L4B8"}.items():
+    for key, base in {"dualpipe": "L4B8", "dualpipev": "L8B8", "1f1b_dp2": "L4B8", "zbh1": "L4B8",
+                      "interleaved": "L8B8"}.items():
         train = [r["loss"] for r in read_metrics(os.path.join(str(tmp_path), key))]
         assert len(train) == 8 and max_rel_diff(train, baselines[base + "_train"]) <= 1e-4, key
     held = json.load(open(os.path.join(str(tmp_path), "dualpipe", "schedule.json")))["peak_held"]
