@@ -22,7 +22,9 @@ Everything that is not an expert (attention, LayerNorms, embeddings, routers) is
 
     load balancing (--balance): aux = alpha*E*sum_i f_i*P_i (Switch eq. 4-6) from GLOBAL counts f_i;
       bias = DeepSeek-V3's aux-loss-free bias b_i, used for top-k selection only, b_i += gamma*sign(mean-load_i)
-    router z-loss (--z-loss) = mean logsumexp(router logits)^2 (ST-MoE's router z-loss)
+    router z-loss (--z-loss) = mean logsumexp(router logits)^2 (ST-MoE's router z-loss): on by default (1e-3)
+      for softmax routers only; gates: softmax top-k probabilities as they are (sum < 1; --norm-topk
+      renormalises them), sigmoid affinities always renormalised over the chosen k (DeepSeek-V3)
 
 Launch:
     python moe_ep.py --experts 4 --top-k 2                                      # 1 process, all experts
@@ -175,6 +177,7 @@ class MoE(nn.Module):
         super().__init__()
         E, ep = args.experts, args.ep
         self.E, self.k, self.gate, self.cf = E, args.top_k, args.gate, args.capacity_factor
+        self.norm_topk = getattr(args, "norm_topk", False)
         self.group, self.meter = group, meter or A2AMeter()
         base = args.seed * 1_000_003 + 1009 * (layer + 1)
 
@@ -199,7 +202,13 @@ class MoE(nn.Module):
         scores = logits.softmax(-1) if self.gate == "softmax" else logits.sigmoid()
         idx = torch.topk(scores + self.bias, self.k, dim=-1).indices
         gates = scores.gather(-1, idx)
-        if self.gate == "sigmoid":  # DeepSeek-V3 sec. 2.1.2: sigmoid affinities renormalised over the chosen k
+        # Softmax gates stay the top-k probabilities (GShard sec. 2.2 keeps them, Switch sec. 2.1 gates by p_i):
+        # they sum to less than 1, so a token whose chosen experts got little of the probability mass moves
+        # its residual less, and the LM loss reaches the router through the gate values themselves; with
+        # k = 1 renormalising would make every gate exactly 1 and leave the router no gradient but the aux
+        # loss. --norm-topk renormalises over the chosen k, as Mixtral and DeepSeek-V2 (norm_topk_prob) do.
+        # Sigmoid affinities do not sum to 1 over the experts, so DeepSeek-V3 sec. 2.1.2 always renormalises.
+        if self.gate == "sigmoid" or self.norm_topk:
             gates = gates / gates.sum(-1, keepdim=True)
         return logits, scores, idx, gates
 
@@ -232,7 +241,11 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(h)
         if self.training:
+            me = 0 if plan.group is None else dist.get_rank(plan.group)
             self.stats = {"routed": plan.routed, "kept": plan.kept,
+                          "rows_out": sum(plan.send_splits) - plan.send_splits[me],  # rows this rank sends away
+                          "rows_in": sum(plan.recv_splits) - plan.recv_splits[me],  # and receives (sends back)
+                          "row_bytes": h.size(1) * h.element_size(),
                           "P": (scores if self.gate == "softmax" else scores / scores.sum(-1, keepdim=True)).mean(0),
                           "z": torch.logsumexp(logits, -1).square().mean()}
         return out.view(B, T, D)
@@ -274,6 +287,18 @@ def update_bias(moes, load, rate):
     summed over ranks: overloaded experts get picked less, idle ones more, and no gradient is touched."""
     for m, l in zip(moes, load.float()):
         m.bias += rate * torch.sign(l.mean() - l)
+
+
+def a2a_bytes_closed(moes, ep, recompute):
+    """This rank's all-to-all bytes in one micro-step, from what its routing sent: per layer, the forward sends
+    rows_out token rows away (dispatch) and rows_in back (combine); backward sends their gradients the other
+    way (rows_in + rows_out again); activation checkpointing re-runs the forward, both exchanges and the
+    counts exchange ((ep-1) x E/ep int64s) included: (2 or 3) x (rows_out + rows_in) rows + (1 or 2) counts."""
+    if ep == 1:
+        return 0
+    fwd = 2 if recompute else 1
+    return sum((fwd + 1) * (m.stats["rows_out"] + m.stats["rows_in"]) * m.stats["row_bytes"]
+               + fwd * (ep - 1) * (m.E // ep) * 8 for m in moes)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -350,7 +375,10 @@ def make_parser():
     a("--shared-expert", action="store_true", help="add one always-on expert per layer (DeepSeek-V3), data parallel")
     a("--balance", default="aux", choices=["aux", "bias", "none"], help="Switch aux loss, DeepSeek-V3 aux-loss-free bias, or nothing")
     a("--aux-coef", type=float, default=0.01, help="alpha of the Switch load-balancing loss")
-    a("--z-loss", type=float, default=1e-3, help="coefficient of the router z-loss (0 = off)")
+    a("--norm-topk", action="store_true", help="renormalise softmax gates over the chosen k (Mixtral, DeepSeek-V2); "
+      "sigmoid gates always are")
+    a("--z-loss", type=float, default=None, help="coefficient of the router z-loss (0 = off); default 1e-3 for "
+      "--gate softmax, 0 for sigmoid")
     a("--bias-rate", type=float, default=1e-3, help="gamma: bias update speed of --balance bias")
     a("--time-a2a", action="store_true", help="synchronize CUDA around each all-to-all to time it (costs overlap)")
     return p
@@ -369,6 +397,13 @@ def check_args(args, world):
                   "route each token to at least 1 and at most --experts experts")
     if world % args.ep:
         gpt2.fail(f"{world} ranks do not form groups of --ep {args.ep}", "--ep", "give a divisor of the world size")
+    if args.norm_topk and args.top_k == 1:
+        gpt2.fail("--norm-topk with --top-k 1 makes every gate 1", "--norm-topk",
+                  "drop --norm-topk or route to --top-k 2 or more (the router would learn from the aux loss only)")
+    if args.z_loss is None:
+        # ST-MoE's z-loss keeps the softmax's logits small, so exp() neither overflows nor rounds the
+        # probabilities away; a sigmoid router has no softmax to protect (DeepSeek-V3 uses none)
+        args.z_loss = 1e-3 if args.gate == "softmax" else 0.0
     if args.capacity_factor < 0:
         gpt2.fail(f"--capacity-factor is {args.capacity_factor}", "--capacity-factor",
                   "give 0 (dropless) or a positive factor")
@@ -421,10 +456,11 @@ def train(argv=None):
     profiler = gpt2.Profiler(args, ctx)
     print0(f"model {args.model}: {active / 1e6:.2f}M active non-embedding params, {cfg.n_layer} MoE layers x "
            f"{args.experts} experts (top-{args.top_k}) | EP {ep} x DP {dp} | device {ctx.device} {ctx.dtype}")
-    # closed form of one rank's all-to-all bytes per step: 2 exchanges forward + 2 backward (+2 recomputed)
-    # per layer, each sending the (ep-1)/ep of the kept N*k rows bound for other ranks if routing is uniform
+    # uniform-routing closed form of one rank's all-to-all bytes per step: 2 exchanges forward + 2 backward
+    # (+2 recomputed) per layer, each sending the (ep-1)/ep of the kept N*k rows bound for other ranks, plus
+    # the counts exchange, which the recomputed forward repeats too
     row_bytes = cfg.n_embd * ctx.dtype.itemsize
-    passes = 6 if args.activation_checkpointing else 4
+    passes, count_passes = (6, 2) if args.activation_checkpointing else (4, 1)
     N = args.batch_size * args.seq_len
     loads = []
 
@@ -438,6 +474,7 @@ def train(argv=None):
         lr = gpt2.set_lr(opt, step, args)
         sums = torch.zeros(2, device=ctx.device)  # (train loss, balancing loss) of this rank
         counts = torch.zeros(cfg.n_layer, 2, args.experts, dtype=torch.long, device=ctx.device)
+        closed_bytes = 0
         for _ in range(args.grad_accum):
             x, y = train_loader.next_batch()
             with ctx.autocast():
@@ -445,6 +482,7 @@ def train(argv=None):
             c = global_counts(moes, world, meter)
             aux = balance_loss(moes, c, args)
             counts += c
+            closed_bytes += a2a_bytes_closed(moes, ep, args.activation_checkpointing)
             sums += torch.stack([loss.detach(), aux.detach()]) / args.grad_accum
             ((loss + aux) / args.grad_accum).backward()
         if world > 1:
@@ -469,12 +507,12 @@ def train(argv=None):
         a2a_mb, a2a_ms = a2a.take_mb(), a2a.seconds * 1e3
         a2a.seconds = 0.0
         theory_mb = args.grad_accum * cfg.n_layer * (ep - 1) / ep * (
-            passes * N * args.top_k * (1 - drop) * row_bytes + args.experts * 8) / 1e6
+            passes * N * args.top_k * (1 - drop) * row_bytes + count_passes * args.experts * 8) / 1e6
         metrics.log_step(step, loss_val, lr, comm_mb=a2a_mb + meter.take_mb(), aux_loss=aux_val, drop_rate=drop,
-                         a2a_mb=a2a_mb, a2a_mb_theory=theory_mb, a2a_ms=a2a_ms, max_load=load.max().item(),
+                         a2a_mb=a2a_mb, a2a_mb_closed=closed_bytes / 1e6, a2a_mb_theory=theory_mb, a2a_ms=a2a_ms, max_load=load.max().item(),
                          expert_load=[[round(v, 4) for v in layer] for layer in load.tolist()])
         print0(f"      moe | aux {aux_val:.5f} | drop {100 * drop:5.2f}% | max/mean load {load.max().item():.2f} | "
-               f"a2a {a2a_mb:.3f} MB (uniform closed form {theory_mb:.3f} MB) {a2a_ms:.1f} ms")
+               f"a2a {a2a_mb:.3f} MB (closed form {closed_bytes / 1e6:.3f}, uniform routing {theory_mb:.3f}) {a2a_ms:.1f} ms")
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             model.eval()
             metrics.log_val(step, gpt2.evaluate(val_loss_fn, val_loader, args.eval_steps, ctx.device))
