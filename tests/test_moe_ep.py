@@ -62,9 +62,18 @@ def test_bad_arguments_fail_before_any_collective(monkeypatch, tmp_path):
         moe_ep.train(base + ["--experts", "4", "--top-k", "5"])
     with pytest.raises(ValueError, match="--norm-topk with --top-k 1 makes every gate 1"):
         moe_ep.train(base + ["--top-k", "1", "--norm-topk"])
+    with pytest.raises(ValueError, match="--overlap-shared without a shared expert"):
+        moe_ep.train(base + ["--overlap-shared"])
+    with pytest.raises(ValueError, match="--seq-aux-coef is -1"):
+        moe_ep.train(base + ["--seq-aux-coef", "-1"])
+    with pytest.raises(ValueError, match=r"--max-ranks-per-token 3 is outside \[1, --ep 1\]"):
+        moe_ep.train(base + ["--max-ranks-per-token", "3"])
     monkeypatch.setenv("WORLD_SIZE", "3")  # no process group exists: reaching a collective would fail differently
     with pytest.raises(ValueError, match="3 ranks do not form groups of --ep 2"):
         moe_ep.train(base + ["--experts", "4", "--ep", "2"])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="--max-ranks-per-token 1 ranks hold 1 experts, fewer than --top-k 2"):
+        moe_ep.train(base + ["--experts", "4", "--ep", "4", "--max-ranks-per-token", "1"])
     assert not dist.is_initialized()
 
 
@@ -115,6 +124,47 @@ def test_gates_and_z_loss_defaults():
     for a in defaults.values():
         moe_ep.check_args(a, 1)
     assert defaults["softmax"].z_loss == 1e-3 and defaults["sigmoid"].z_loss == 0.0
+
+
+def test_deepseek_options_in_one_process(monkeypatch):
+    """--grouped-gemm (torch._grouped_mm and the padded batched fallback) and --dispatch rank against today's
+    per-expert loop and per-assignment dispatch; node-limited routing; the sequence-wise balance loss."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 8, 16, generator=g)
+
+    def run(**kw):
+        layer = moe_layer(**kw).train()
+        y = layer(h)
+        y.square().sum().backward()
+        return y, [p.grad for p in layer.parameters()], layer
+
+    for cap in (0.0, 0.5):
+        y0, g0, _ = run(capacity_factor=cap)
+        for kw in (dict(grouped_gemm=True), dict(dispatch="rank"), dict(dispatch="rank", grouped_gemm=True)):
+            y, grads, _ = run(capacity_factor=cap, **kw)
+            assert (y - y0).abs().max() < 1e-6 and max((a - b).abs().max() for a, b in zip(grads, g0)) < 1e-6, kw
+    y0, g0, _ = run()
+    monkeypatch.delattr(torch, "_grouped_mm", raising=False)  # a build without it: the batched fallback
+    y, grads, _ = run(grouped_gemm=True)
+    assert (y - y0).abs().max() < 1e-6 and max((a - b).abs().max() for a, b in zip(grads, g0)) < 1e-6
+    # node-limited routing, 8 experts as 4 "ranks" of 2, top-2 from 1 rank: both choices on the rank whose
+    # best 2 affinities sum highest
+    layer = moe_layer(experts=8, max_ranks_per_token=1)
+    layer.route_ranks = 4
+    _, scores, idx, _ = layer.route(h.view(16, 16))
+    best = scores.view(16, 4, 2).sum(-1).argmax(-1)
+    assert torch.equal(idx // 2, best[:, None].expand(16, 2))
+    assert not torch.equal(moe_layer(experts=8).route(h.view(16, 16))[2] // 2, idx // 2)  # it did limit something
+    # sequence-wise balance loss: with one sequence it is Switch's batch-wise E * sum f_i P_i; with two, the mean
+    layer = moe_layer(seq_aux_coef=1.0).train()
+    per_seq = []
+    for b in range(2):
+        layer(h[b:b + 1])
+        f = layer.stats["routed"].float() / layer.stats["routed"].sum()
+        per_seq.append(layer.stats["seq_aux"].item())
+        assert abs(per_seq[-1] - 4 * (f * layer.stats["P"]).sum().item()) < 1e-6
+    layer(h)
+    assert abs(layer.stats["seq_aux"].item() - sum(per_seq) / 2) < 1e-6
 
 
 def test_aux_loss_free_bias_balances_a_skewed_router():
@@ -252,25 +302,78 @@ def test_expert_parallel_equals_one_process(bigram_data, tmp_path):
             (name, [(r["a2a_mb"], r["a2a_mb_closed"]) for r in steps])
 
 
-# -- precisions and the compiler (issue 15): tiny, 2 steps -------------------------------------------------
+# -- two ranks: DeepSeek-V3's dispatch options against the one-process layer, bf16, compile ---------------
 
 TINY = ["--model", "tiny", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32", "--warmup", "1", "--lr", "3e-3",
         "--eval-every", "0", "--device", "cpu", "--experts", "4", "--top-k", "2"]
+OPTIONS = ["--dispatch", "rank", "--grouped-gemm", "--shared-expert", "--overlap-shared", "--seq-aux-coef", "0.01"]
 
 
-def _train_runs(rank, world, runs):
-    return [moe_ep.train(argv) for argv in runs]
+def _deepseek_checks(rank, world):
+    """Each option's EP layer on `world` ranks against the full layer in one process on the global batch."""
+    E, out = 2 * world, {}
+    gens = [torch.Generator().manual_seed(20 + r) for r in range(world)]
+    hs = [torch.randn(2, 8, 16, generator=g) for g in gens]
+
+    def pair(**kw):
+        full = moe_layer(experts=E, **{k: v for k, v in kw.items() if k in ("max_ranks_per_token", "seq_aux_coef",
+                                                                             "shared_expert")}).train()
+        full.route_ranks = world  # node-limited routing counts the EP layout's ranks, here too
+        ep_layer = moe_layer(experts=E, ep=world, ep_rank=rank, group=dist.group.WORLD, **kw).train()
+        ref = full(torch.cat(hs))
+        (ref.square().sum() + full.stats.get("seq_aux", 0)).backward()
+        y = ep_layer(hs[rank].clone().requires_grad_())  # as in a model: the input's gradient retraces the dispatch
+        (y.square().sum() + ep_layer.stats.get("seq_aux", 0) / world).backward()  # the ranks' mean = the global one
+        errs = []
+        for mine, theirs in ((ep_layer.router, full.router), (ep_layer.shared, full.shared)):
+            for p, q in zip(mine.parameters() if mine else [], theirs.parameters() if theirs else []):
+                dist.all_reduce(p.grad)  # data-parallel parameters: the sum over ranks is the global batch
+                errs.append((p.grad - q.grad).abs().max().item())
+        for mine_e, ref_e in zip(ep_layer.experts, full.experts[2 * rank:2 * rank + 2]):
+            errs += [(p.grad - q.grad).abs().max().item() for p, q in zip(mine_e.parameters(), ref_e.parameters())]
+        return (y - ref[2 * rank:2 * rank + 2]).abs().max().item(), max(errs), ep_layer
+
+    for name, kw in (("expert", {}), ("rank", dict(dispatch="rank", grouped_gemm=True)),
+                     ("limited", dict(max_ranks_per_token=1, dispatch="rank")), ("seq_aux", dict(seq_aux_coef=1.0)),
+                     ("shared", dict(shared_expert=True)), ("overlap", dict(shared_expert=True, overlap_shared=True))):
+        out_err, grad_err, layer = pair(**kw)
+        out[name] = (out_err, grad_err, layer.meter.bytes, moe_ep.a2a_bytes_closed([layer], world, False))
+        if name == "limited":  # every token's experts on one rank
+            ranks = layer.route(torch.cat(hs).view(-1, 16))[2] // 2
+            out["one_rank_per_token"] = bool((ranks == ranks[:, :1]).all())
+        if name in ("shared", "overlap"):
+            out[name + "_grads"] = [p.grad.clone() for p in layer.parameters()]
+    out["overlap_identical"] = all(torch.equal(a, b) for a, b in zip(out.pop("shared_grads"), out.pop("overlap_grads")))
+    return out
 
 
-def test_bf16_and_compile(bigram_data, tmp_path):
-    """bf16 autocast: EP=2 on 2 ranks within 1e-4 (relative) of its own one-rank bf16 run (measured 1.9e-6: the
-    experts see other row counts, so bf16 matmuls may round differently); --compile (attention whole, experts
-    dynamic) equal to eager at steps 0-2 to 1e-6 in fp32 (measured 8.8e-8)."""
+def _checks_then_runs(rank, world, runs):
+    return _deepseek_checks(rank, world), [moe_ep.train(argv) for argv in runs]
+
+
+def test_two_ranks_deepseek_options_bf16_compile(bigram_data, tmp_path):
+    """On 2 ranks: --dispatch rank (bytes measured == closed form, fewer than per-expert dispatch), node-limited
+    routing, the sequence-wise loss, --overlap-shared (bit-identical) each equal to the one-process layer;
+    all options at once trained at EP=2 vs one rank. Then bf16 autocast: EP=2 within 1e-4 (relative) of its own
+    one-rank bf16 run (measured 1.9e-6: the experts see other row counts, so bf16 matmuls may round
+    differently); --compile (attention whole, experts dynamic) equal to eager at steps 0-2 to 1e-6 in fp32
+    (measured 8.8e-8)."""
     common = TINY + ["--data", bigram_data, "--steps", "2"]
-    ref = moe_ep.train(common + ["--dtype", "bfloat16", "--batch-size", "4", "--out", str(tmp_path / "ref")])
-    ep2 = run_distributed(_train_runs, 2, [common + ["--dtype", "bfloat16", "--ep", "2", "--batch-size", "2",
-                                                      "--out", str(tmp_path / "ep2")]], timeout=300)[0][0]
     loss = lambda recs: [r["loss"] for r in recs if "loss" in r]
+    ref = moe_ep.train(common + ["--dtype", "bfloat16", "--batch-size", "4", "--out", str(tmp_path / "ref")])
+    opt_ref = moe_ep.train(common + OPTIONS + ["--batch-size", "4", "--out", str(tmp_path / "opt_ref")])
+    checks, (ep2, opt) = run_distributed(_checks_then_runs, 2, [
+        common + ["--dtype", "bfloat16", "--ep", "2", "--batch-size", "2", "--out", str(tmp_path / "ep2")],
+        common + OPTIONS + ["--ep", "2", "--batch-size", "2", "--out", str(tmp_path / "opt")]], timeout=300)[0]
+    for name in ("expert", "rank", "limited", "seq_aux", "shared", "overlap"):
+        out_err, grad_err, measured, closed = checks[name]
+        assert out_err < 1e-6 and grad_err < 1e-5 and measured == closed > 0, (name, checks[name])
+    assert checks["rank"][2] < checks["expert"][2], checks  # one row per (token, rank) instead of per assignment
+    assert checks["limited"][2] < checks["rank"][2] and checks["one_rank_per_token"], checks
+    assert checks["overlap_identical"]
+    print("a2a bytes per layer fwd+bwd, rank 0:", {k: checks[k][2] for k in ("expert", "rank", "limited")})
+    assert max_rel_diff(loss(opt), loss(opt_ref)) <= 1e-5, (loss(opt), loss(opt_ref))
+    assert all(r["a2a_mb"] == r["a2a_mb_closed"] for r in opt if "loss" in r)
     print("bf16 EP=2 vs one rank, max rel diff", max_rel_diff(loss(ep2), loss(ref)))
     assert len(loss(ref)) == 2 and max_rel_diff(loss(ep2), loss(ref)) <= 1e-4, (loss(ep2), loss(ref))
     eager = moe_ep.train(TINY + ["--data", bigram_data, "--steps", "3", "--dtype", "float32", "--batch-size", "2",
