@@ -22,7 +22,9 @@ Everything that is not an expert (attention, LayerNorms, embeddings, routers) is
 
     load balancing (--balance): aux = alpha*E*sum_i f_i*P_i (Switch eq. 4-6) from GLOBAL counts f_i;
       bias = DeepSeek-V3's aux-loss-free bias b_i, used for top-k selection only, b_i += gamma*sign(mean-load_i)
-    router z-loss (--z-loss) = mean logsumexp(router logits)^2 (ST-MoE's router z-loss)
+    router z-loss (--z-loss) = mean logsumexp(router logits)^2 (ST-MoE's router z-loss): on by default (1e-3)
+      for softmax routers only; gates: softmax top-k probabilities as they are (sum < 1; --norm-topk
+      renormalises them), sigmoid affinities always renormalised over the chosen k (DeepSeek-V3)
 
 Launch:
     python moe_ep.py --experts 4 --top-k 2                                      # 1 process, all experts
@@ -63,10 +65,31 @@ class A2AMeter(gpt2.CommMeter):
         self.seconds, self.sync = 0.0, sync
 
 
-def all_to_all(x, in_splits, out_splits, group, meter):
+class Pending:
+    """An all-to-all in flight (async_op=True): wait() returns the received rows. The time counted is the
+    wait only, so work done between the start and the wait (the shared expert) shows up as hidden."""
+
+    def __init__(self, out, work, meter):
+        self.out, self.work, self.meter = out, work, meter
+
+    def wait(self):
+        t0 = time.perf_counter()
+        self.work.wait()  # NCCL: the compute stream waits for the exchange; gloo: the CPU does
+        if self.meter.sync and self.out.is_cuda:
+            torch.cuda.synchronize(self.out.device)
+        self.meter.seconds += time.perf_counter() - t0
+        return self.out
+
+
+def all_to_all(x, in_splits, out_splits, group, meter, async_op=False):
     """Rows x[sum(in_splits[:j]) : sum(in_splits[:j+1])] go to rank j of `group`; returns the rows received,
-    ordered by source rank, sum(out_splits) of them."""
+    ordered by source rank, sum(out_splits) of them (or, with async_op, a Pending that returns them)."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    me = dist.get_rank(group)
+    meter.all_to_all((sum(in_splits) - in_splits[me]) * math.prod(x.shape[1:]) * x.element_size())
+    if async_op:
+        return Pending(out, dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group,
+                                                   async_op=True), meter)
     if meter.sync and x.is_cuda:
         torch.cuda.synchronize(x.device)
     t0 = time.perf_counter()
@@ -74,25 +97,34 @@ def all_to_all(x, in_splits, out_splits, group, meter):
     if meter.sync and x.is_cuda:
         torch.cuda.synchronize(x.device)
     meter.seconds += time.perf_counter() - t0
-    me = dist.get_rank(group)
-    meter.all_to_all((sum(in_splits) - in_splits[me]) * math.prod(x.shape[1:]) * x.element_size())
     return out
 
 
 class AllToAll(torch.autograd.Function):
     """Differentiable all-to-all: the gradient of a received row belongs to the rank that sent it, so the
     backward is the same exchange with the splits swapped (GShard sec. 2.2: dispatch and combine are each
-    other's transpose)."""
+    other's transpose). pending: the same exchange of x already started with async_op=True; forward only
+    waits for it (--overlap-shared)."""
 
     @staticmethod
-    def forward(ctx, x, in_splits, out_splits, group, meter):
+    def forward(ctx, x, in_splits, out_splits, group, meter, pending=None):
         ctx.saved = (in_splits, out_splits, group, meter)
-        return all_to_all(x, in_splits, out_splits, group, meter)
+        return pending.wait() if pending is not None else all_to_all(x, in_splits, out_splits, group, meter)
 
     @staticmethod
     def backward(ctx, grad):
         in_splits, out_splits, group, meter = ctx.saved
-        return all_to_all(grad, out_splits, in_splits, group, meter), None, None, None, None
+        return all_to_all(grad, out_splits, in_splits, group, meter), None, None, None, None, None
+
+
+def exchange(rows, send_splits, recv_splits, group, meter, during):
+    """AllToAll of rows, with `during()` (autograd on) computed while the exchange is in flight; returns
+    (received rows, during's result or None)."""
+    if during is None:
+        return AllToAll.apply(rows, send_splits, recv_splits, group, meter), None
+    pending = all_to_all(rows.detach(), send_splits, recv_splits, group, meter, async_op=True)
+    side = during()
+    return AllToAll.apply(rows, send_splits, recv_splits, group, meter, pending), side
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -112,26 +144,38 @@ class Plan:
     expert_rows: list  # rows per local expert, all sources together
     group: object
     meter: A2AMeter
+    side: object = None  # what `during` returned (the shared expert's output under --overlap-shared)
+    token: torch.Tensor = None  # --dispatch rank: the token of each row sent
 
 
-def dispatch_tokens(x, expert_idx, num_experts, capacity, group, meter):
-    """x: (N, D) this rank's tokens; expert_idx: (k*N,) the expert of each assignment, assignment a being
-    token a % N (choice-major: all first choices, then all second choices). Assignments beyond `capacity`
-    per expert (None = dropless) are dropped, first choices and earlier tokens first (GShard sec. 2.2).
-    Returns the rows this rank's experts must process, grouped by source rank then local expert, and the Plan."""
-    ep = dist.get_world_size(group) if group is not None else 1
-    E, E_local, N = num_experts, num_experts // ep, x.size(0)
-    order = torch.argsort(expert_idx, stable=True)  # group assignments by expert, keeping their priority
-    routed = torch.bincount(expert_idx, minlength=E)
+def keep_within_capacity(expert_idx, num_experts, capacity):
+    """Assignment ids sorted by expert (stable: first choices, then earlier tokens, GShard sec. 2.2's
+    priority), minus those beyond `capacity` per expert (None = dropless); and the counts per expert
+    before (routed) and after (kept) the cut."""
+    order = torch.argsort(expert_idx, stable=True)
+    routed = torch.bincount(expert_idx, minlength=num_experts)
     kept = routed
     if capacity is not None:
         first = torch.cumsum(routed, 0) - routed  # where each expert's run starts in `order`
-        slot = torch.arange(order.numel(), device=x.device) - first[expert_idx[order]]
+        slot = torch.arange(order.numel(), device=expert_idx.device) - first[expert_idx[order]]
         order, kept = order[slot < capacity], routed.clamp(max=capacity)
+    return order, routed, kept
+
+
+def dispatch_tokens(x, expert_idx, num_experts, capacity, group, meter, during=None):
+    """x: (N, D) this rank's tokens; expert_idx: (k*N,) the expert of each assignment, assignment a being
+    token a % N (choice-major: all first choices, then all second choices). Assignments beyond `capacity`
+    per expert (None = dropless) are dropped, first choices and earlier tokens first (GShard sec. 2.2).
+    Returns the rows this rank's experts must process, grouped by source rank then local expert, and the Plan.
+    One row per kept assignment: a token whose k experts share a rank travels there k times."""
+    ep = dist.get_world_size(group) if group is not None else 1
+    E, E_local, N = num_experts, num_experts // ep, x.size(0)
+    order, routed, kept = keep_within_capacity(expert_idx, E, capacity)
     rows = x[order % N]
     if ep == 1:
         n = order.numel()
-        return rows, Plan(order, expert_idx.numel(), routed, kept, [n], [n], kept.view(1, E), kept.tolist(), None, meter)
+        return rows, Plan(order, expert_idx.numel(), routed, kept, [n], [n], kept.view(1, E), kept.tolist(), None,
+                          meter, during() if during else None)
     # 1) counts: every rank learns how many rows it will receive from each source for each local expert
     recv_counts = torch.empty_like(kept)
     dist.all_to_all_single(recv_counts, kept, group=group)
@@ -140,10 +184,10 @@ def dispatch_tokens(x, expert_idx, num_experts, capacity, group, meter):
     # the uneven splits must be host integers: one device->host copy per layer, the price of dropless EP
     host = torch.cat([kept.view(ep, E_local).sum(1), recv_counts.sum(1), recv_counts.sum(0)]).tolist()
     send_splits, recv_splits, expert_rows = host[:ep], host[ep:2 * ep], host[2 * ep:]
-    # 2) the tokens themselves
-    recv = AllToAll.apply(rows, send_splits, recv_splits, group, meter)
+    # 2) the tokens themselves (with --overlap-shared, the shared expert computes while they travel)
+    recv, side = exchange(rows, send_splits, recv_splits, group, meter, during)
     return recv, Plan(order, expert_idx.numel(), routed, kept, send_splits, recv_splits, recv_counts,
-                      expert_rows, group, meter)
+                      expert_rows, group, meter, side)
 
 
 def combine_tokens(y, plan):
@@ -152,6 +196,49 @@ def combine_tokens(y, plan):
     if plan.group is not None:
         y = AllToAll.apply(y, plan.recv_splits, plan.send_splits, plan.group, plan.meter)
     return y.new_zeros((plan.n_assign, y.size(1))).index_copy(0, plan.order, y)
+
+
+def dispatch_by_rank(x, expert_idx, gates, num_experts, capacity, group, meter, during=None):
+    """--dispatch rank, as DeepSeek-V3 runs it (sec. 3.2.2; DeepEP): one row per (token, destination rank),
+    however many of the token's experts that rank holds. Beside each row travel its gates for the receiver's
+    local experts (fp32, 0 where not chosen) and which of them were chosen (uint8), so the receiver can run
+    every chosen local expert and sum their gated outputs into ONE row before the combine. Same capacity rule
+    as dispatch_tokens. gates: (k*N,) in expert_idx's order. Returns (rows (R, D), their gates (R, E_local),
+    chosen (R, E_local), Plan); the rows are grouped by source rank, then token."""
+    ep = dist.get_world_size(group) if group is not None else 1
+    E_local, N = num_experts // ep, x.size(0)
+    order, routed, kept = keep_within_capacity(expert_idx, num_experts, capacity)
+    expert = expert_idx[order]
+    # one key per kept assignment, (destination rank, token); unique() sorts and merges a token's choices
+    pair, row_of = torch.unique(expert // E_local * N + order % N, return_inverse=True)
+    local = expert % E_local
+    token = pair % N
+    rows = x[token]  # (P, D): P distinct (rank, token) pairs
+    row_gates = gates.new_zeros(pair.numel(), E_local).index_put((row_of, local), gates[order])
+    chosen = torch.zeros(pair.numel(), E_local, dtype=torch.uint8, device=x.device).index_put_(
+        (row_of, local), torch.ones_like(local, dtype=torch.uint8))
+    send = torch.bincount(pair // N, minlength=ep)  # rows to each rank
+    if ep == 1:
+        n = pair.numel()
+        return rows, row_gates, chosen, Plan(order, expert_idx.numel(), routed, kept, [n], [n], None, None, None,
+                                             meter, during() if during else None, token)
+    recv_n = torch.empty_like(send)
+    dist.all_to_all_single(recv_n, send, group=group)  # the counts: ep-1 int64s leave this rank
+    meter.all_to_all((ep - 1) * send.element_size())
+    send_splits, recv_splits = send.tolist(), recv_n.tolist()
+    recv_gates = AllToAll.apply(row_gates, send_splits, recv_splits, group, meter)
+    recv_chosen = all_to_all(chosen, send_splits, recv_splits, group, meter)
+    recv, side = exchange(rows, send_splits, recv_splits, group, meter, during)
+    return recv, recv_gates, recv_chosen, Plan(order, expert_idx.numel(), routed, kept, send_splits, recv_splits,
+                                               None, None, group, meter, side, token)
+
+
+def combine_by_rank(y, plan, n_tokens):
+    """Inverse of dispatch_by_rank: y (R, D) holds each received row's summed, gated local-expert outputs;
+    back to the senders, then each token sums its rows (one per destination rank): (N, D)."""
+    if plan.group is not None:
+        y = AllToAll.apply(y, plan.recv_splits, plan.send_splits, plan.group, plan.meter)
+    return y.new_zeros((n_tokens, y.size(1))).index_add(0, plan.token, y)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -166,6 +253,47 @@ def seeded(seed, make):
         return make()
 
 
+def limit_ranks(choice, ranks, max_ranks, k):
+    """Node-limited routing (DeepSeek-V3 sec. 2.1.2, with EP ranks in the role of nodes): keep, for each
+    token, the max_ranks ranks whose highest ceil(k / max_ranks) affinities sum highest, and make the other
+    ranks' experts unselectable. choice: (N, E) scores (+ bias) that top-k selects on; expert e lives on rank
+    e // (E / ranks). A token then crosses the network to at most max_ranks ranks."""
+    N, E = choice.shape
+    per_rank = choice.view(N, ranks, E // ranks)
+    rank_score = per_rank.topk(min(E // ranks, math.ceil(k / max_ranks)), dim=-1).values.sum(-1)  # (N, ranks)
+    allowed = torch.zeros_like(rank_score, dtype=torch.bool).scatter_(1, rank_score.topk(max_ranks, -1).indices, True)
+    return choice.masked_fill(~allowed.repeat_interleave(E // ranks, dim=1), float("-inf"))
+
+
+def grouped_mm(x, w, rows):
+    """x: (R, K) rows grouped by expert, rows[g] of them for group g; w: (G, K, M) -> (R, M), each group's rows
+    times its own w[g], as one call. torch._grouped_mm (CUTLASS's grouped GEMM on Hopper and later in bf16,
+    a loop over groups on CPU) where this build has it and the strides are 16-byte multiples it requires;
+    elsewhere every group is padded to the longest and multiplied by one batched matmul."""
+    aligned = all(n * x.element_size() % 16 == 0 for n in (w.size(1), w.size(2)))
+    hopper = not x.is_cuda or (torch.cuda.get_device_capability(x.device) >= (9, 0) and x.dtype == torch.bfloat16)
+    if hasattr(torch, "_grouped_mm") and aligned and hopper:
+        offs = torch.tensor(rows, device=x.device).cumsum(0).to(torch.int32)  # where each group's rows end
+        return torch._grouped_mm(x, w, offs=offs)
+    which = torch.repeat_interleave(torch.arange(len(rows), device=x.device), torch.tensor(rows, device=x.device))
+    start = torch.tensor(rows, device=x.device).cumsum(0) - torch.tensor(rows, device=x.device)
+    slot = torch.arange(x.size(0), device=x.device) - start[which]  # each row's place in its group
+    padded = x.new_zeros(len(rows), max(rows), x.size(1)).index_put((which, slot), x)  # (G, max rows, K)
+    return torch.bmm(padded, w)[which, slot]
+
+
+def grouped_experts(x, experts, rows):
+    """The local experts (gpt2.MLP each) on rows grouped by expert, as two grouped GEMMs instead of 2 x E_local
+    small ones. The weights are stacked every call (a copy; a production kernel keeps them stacked)."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    stack = lambda name: torch.stack([getattr(e, name).weight for e in experts]).transpose(1, 2).to(dtype)  # (G, in, out)
+    bias = lambda name: torch.stack([getattr(e, name).bias for e in experts]).to(dtype)
+    which = torch.repeat_interleave(torch.arange(len(rows), device=x.device), torch.tensor(rows, device=x.device))
+    hidden = grouped_mm(x.to(dtype), stack("c_fc"), rows) + bias("c_fc")[which]  # (R, 4D)
+    hidden = F.gelu(hidden, approximate="tanh")
+    return grouped_mm(hidden, stack("c_proj"), rows) + bias("c_proj")[which]  # (R, D)
+
+
 class MoE(nn.Module):
     """Drop-in for gpt2.MLP: (B, T, D) -> (B, T, D). E experts shaped as gpt2.MLP, of which this rank holds
     experts [ep_rank*E/ep, (ep_rank+1)*E/ep). After a training forward, self.stats holds what the balancing
@@ -175,6 +303,13 @@ class MoE(nn.Module):
         super().__init__()
         E, ep = args.experts, args.ep
         self.E, self.k, self.gate, self.cf = E, args.top_k, args.gate, args.capacity_factor
+        self.norm_topk = getattr(args, "norm_topk", False)
+        self.dispatch = getattr(args, "dispatch", "expert")
+        self.max_ranks = getattr(args, "max_ranks_per_token", 0)
+        self.route_ranks = ep  # experts e lives on rank e // (E / ep): what --max-ranks-per-token counts
+        self.seq_aux = getattr(args, "seq_aux_coef", 0.0) > 0
+        self.grouped = getattr(args, "grouped_gemm", False)
+        self.overlap_shared = getattr(args, "overlap_shared", False)
         self.group, self.meter = group, meter or A2AMeter()
         base = args.seed * 1_000_003 + 1009 * (layer + 1)
 
@@ -197,9 +332,18 @@ class MoE(nn.Module):
         with torch.autocast(h.device.type, enabled=False):
             logits = F.linear(h.float(), self.router.weight.float())
         scores = logits.softmax(-1) if self.gate == "softmax" else logits.sigmoid()
-        idx = torch.topk(scores + self.bias, self.k, dim=-1).indices
+        choice = scores + self.bias
+        if self.max_ranks and self.max_ranks < self.route_ranks:
+            choice = limit_ranks(choice, self.route_ranks, self.max_ranks, self.k)
+        idx = torch.topk(choice, self.k, dim=-1).indices
         gates = scores.gather(-1, idx)
-        if self.gate == "sigmoid":  # DeepSeek-V3 sec. 2.1.2: sigmoid affinities renormalised over the chosen k
+        # Softmax gates stay the top-k probabilities (GShard sec. 2.2 keeps them, Switch sec. 2.1 gates by p_i):
+        # they sum to less than 1, so a token whose chosen experts got little of the probability mass moves
+        # its residual less, and the LM loss reaches the router through the gate values themselves; with
+        # k = 1 renormalising would make every gate exactly 1 and leave the router no gradient but the aux
+        # loss. --norm-topk renormalises over the chosen k, as Mixtral and DeepSeek-V2 (norm_topk_prob) do.
+        # Sigmoid affinities do not sum to 1 over the experts, so DeepSeek-V3 sec. 2.1.2 always renormalises.
+        if self.gate == "sigmoid" or self.norm_topk:
             gates = gates / gates.sum(-1, keepdim=True)
         return logits, scores, idx, gates
 
@@ -207,17 +351,32 @@ class MoE(nn.Module):
         """Switch sec. 2.2: expert capacity = C * tokens * k / E per source rank; 0 = dropless."""
         return None if self.cf == 0 else math.ceil(self.cf * n_tokens * self.k / self.E)
 
+    def expert_ffn(self, x, rows):
+        """Local expert i on rows [sum(rows[:i]), sum(rows[:i+1])) of x: one matmul pair per expert, or all
+        of them as two grouped GEMMs (--grouped-gemm)."""
+        if self.grouped:
+            return grouped_experts(x, self.experts, rows)
+        return torch.cat([expert(xs) for expert, xs in zip(self.experts, x.split(rows))])
+
     def run_experts(self, x, plan):
         """Received rows come grouped by source rank, then local expert: regroup them by expert, run each
-        expert on its contiguous slice (one matmul pair per expert), and restore the received order."""
+        expert on its contiguous slice, and restore the received order."""
         ep, E_local = plan.recv_counts.shape
         regroup = None
         if ep > 1:
             eid = torch.arange(E_local, device=x.device).repeat(ep).repeat_interleave(plan.recv_counts.flatten())
             regroup = torch.argsort(eid, stable=True)
             x = x[regroup]
-        y = torch.cat([expert(xs) for expert, xs in zip(self.experts, x.split(plan.expert_rows))])
+        y = self.expert_ffn(x, plan.expert_rows)
         return y if regroup is None else y[torch.argsort(regroup)]
+
+    def run_experts_by_rank(self, x, gates, chosen):
+        """--dispatch rank, on the receiving side: x (R, D) one row per (source token, this rank); every chosen
+        local expert runs on its rows, and each row's gated outputs are summed: (R, D), one row back per row."""
+        expert, row = chosen.t().nonzero(as_tuple=True)  # (expert, row) pairs, grouped by expert
+        rows = torch.bincount(expert, minlength=len(self.experts)).tolist()
+        y = self.expert_ffn(x[row], rows) * gates[row, expert].unsqueeze(-1)
+        return x.new_zeros(x.shape).index_add(0, row, y.to(x.dtype))
 
     def forward(self, x):
         B, T, D = x.shape
@@ -226,15 +385,31 @@ class MoE(nn.Module):
         logits, scores, idx, gates = self.route(h)
         if torch.is_autocast_enabled(h.device.type):  # ship bf16: the experts would cast to it anyway
             h = h.to(torch.get_autocast_dtype(h.device.type))
-        recv, plan = dispatch_tokens(h, idx.t().reshape(-1), self.E, self.capacity(N), self.group, self.meter)
-        y = combine_tokens(self.run_experts(recv, plan), plan)
-        out = (y.view(self.k, N, D) * gates.t().unsqueeze(-1)).sum(0)  # dropped choices add nothing
+        during = (lambda: self.shared(h)) if self.shared is not None and self.overlap_shared else None
+        if self.dispatch == "rank":
+            recv, recv_gates, chosen, plan = dispatch_by_rank(h, idx.t().reshape(-1), gates.t().reshape(-1), self.E,
+                                                              self.capacity(N), self.group, self.meter, during)
+            out = combine_by_rank(self.run_experts_by_rank(recv, recv_gates, chosen), plan, N)
+        else:
+            recv, plan = dispatch_tokens(h, idx.t().reshape(-1), self.E, self.capacity(N), self.group, self.meter, during)
+            y = combine_tokens(self.run_experts(recv, plan), plan)
+            out = (y.view(self.k, N, D) * gates.t().unsqueeze(-1)).sum(0)  # dropped choices add nothing
         if self.shared is not None:
-            out = out + self.shared(h)
+            out = out + (plan.side if during else self.shared(h))
         if self.training:
-            self.stats = {"routed": plan.routed, "kept": plan.kept,
-                          "P": (scores if self.gate == "softmax" else scores / scores.sum(-1, keepdim=True)).mean(0),
+            me = 0 if plan.group is None else dist.get_rank(plan.group)
+            probs = scores if self.gate == "softmax" else scores / scores.sum(-1, keepdim=True)
+            self.stats = {"routed": plan.routed, "kept": plan.kept, "P": probs.mean(0),
+                          "rows_out": sum(plan.send_splits) - plan.send_splits[me],  # rows this rank sends away
+                          "rows_in": sum(plan.recv_splits) - plan.recv_splits[me],  # and receives (sends back)
+                          "row_bytes": h.size(1) * h.element_size(),
                           "z": torch.logsumexp(logits, -1).square().mean()}
+            if self.seq_aux:
+                # DeepSeek-V3 eq. 17-20, per sequence: f_i = E/(k T) x (tokens of the sequence choosing i),
+                # P_i = the sequence's mean normalised affinity; sum_i f_i P_i, averaged over this rank's
+                # sequences (the data-parallel gradient average then averages over all sequences)
+                f = F.one_hot(idx, self.E).sum(1).view(B, T, self.E).sum(1).float() * self.E / (self.k * T)
+                self.stats["seq_aux"] = (f * probs.view(B, T, self.E).mean(1)).sum(-1).mean()
         return out.view(B, T, D)
 
 
@@ -265,6 +440,8 @@ def balance_loss(moes, counts, args):
             loss = loss + args.aux_coef * m.E * (f * m.stats["P"]).sum()
         if args.z_loss:
             loss = loss + args.z_loss * m.stats["z"]
+        if m.seq_aux:  # DeepSeek-V3's sequence-wise balance loss, beside whatever --balance does
+            loss = loss + args.seq_aux_coef * m.stats["seq_aux"]
     return loss
 
 
@@ -274,6 +451,44 @@ def update_bias(moes, load, rate):
     summed over ranks: overloaded experts get picked less, idle ones more, and no gradient is touched."""
     for m, l in zip(moes, load.float()):
         m.bias += rate * torch.sign(l.mean() - l)
+
+
+def a2a_bytes_closed(moes, ep, recompute):
+    """This rank's all-to-all bytes in one micro-step, from what its routing sent. Per layer, with row = D x
+    dtype bytes: the forward sends rows_out token rows away (dispatch) and rows_in back (combine); backward
+    sends their gradients the other way (rows_in + rows_out again); activation checkpointing re-runs the
+    forward, counts exchange included. --dispatch expert: rows are assignments, counts (ep-1) x E/ep int64s.
+    --dispatch rank: rows are (token, rank) pairs, each also carrying E/ep fp32 gates (and their gradients back)
+    and E/ep uint8 choice flags; counts (ep-1) int64s."""
+    if ep == 1:
+        return 0
+    total, fwd_passes = 0, 2 if recompute else 1
+    for m in moes:
+        out, back, row, local = m.stats["rows_out"], m.stats["rows_in"], m.stats["row_bytes"], m.E // ep
+        if m.dispatch == "rank":
+            fwd = out * (row + 5 * local) + back * row + (ep - 1) * 8
+            bwd = out * row + back * (row + 4 * local)
+        else:
+            fwd = (out + back) * row + (ep - 1) * local * 8
+            bwd = (out + back) * row
+        total += fwd_passes * fwd + bwd
+    return total
+
+
+def a2a_bytes_uniform(args, n_tokens, row_bytes, drop=0.0):
+    """a2a_bytes_closed for one layer and one micro-step if routing were uniform (and not node-limited):
+    --dispatch expert: (ep-1)/ep of the kept N*k assignments leave the rank; --dispatch rank: a token goes
+    once to each other rank holding any of its k experts, which happens with chance
+    1 - C(E - E/ep, k) / C(E, k) per rank (1 for E/ep = 1: no saving when every rank holds one expert)."""
+    ep, E, k = args.ep, args.experts, args.top_k
+    if ep == 1:
+        return 0.0
+    fwd_passes, local = (2 if args.activation_checkpointing else 1), E // ep
+    if args.dispatch == "rank":
+        pairs = n_tokens * (1 - drop) * (ep - 1) * (1 - math.comb(E - local, k) / math.comb(E, k))
+        return fwd_passes * (pairs * (2 * row_bytes + 5 * local) + (ep - 1) * 8) + pairs * (2 * row_bytes + 4 * local)
+    rows = n_tokens * k * (1 - drop) * (ep - 1) / ep
+    return fwd_passes * (2 * rows * row_bytes + (ep - 1) * local * 8) + 2 * rows * row_bytes
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -350,8 +565,19 @@ def make_parser():
     a("--shared-expert", action="store_true", help="add one always-on expert per layer (DeepSeek-V3), data parallel")
     a("--balance", default="aux", choices=["aux", "bias", "none"], help="Switch aux loss, DeepSeek-V3 aux-loss-free bias, or nothing")
     a("--aux-coef", type=float, default=0.01, help="alpha of the Switch load-balancing loss")
-    a("--z-loss", type=float, default=1e-3, help="coefficient of the router z-loss (0 = off)")
+    a("--norm-topk", action="store_true", help="renormalise softmax gates over the chosen k (Mixtral, DeepSeek-V2); "
+      "sigmoid gates always are")
+    a("--z-loss", type=float, default=None, help="coefficient of the router z-loss (0 = off); default 1e-3 for "
+      "--gate softmax, 0 for sigmoid")
     a("--bias-rate", type=float, default=1e-3, help="gamma: bias update speed of --balance bias")
+    a("--dispatch", default="expert", choices=["expert", "rank"], help="send a token once per chosen expert, or once "
+      "per destination rank (DeepSeek-V3: the receiver fans out to its local experts and sums)")
+    a("--max-ranks-per-token", type=int, default=0, help="node-limited routing (DeepSeek-V3 sec. 2.1.2): a token's "
+      "experts come from at most M EP ranks; 0 = off")
+    a("--seq-aux-coef", type=float, default=0.0, help="alpha of DeepSeek-V3's sequence-wise balance loss (0 = off)")
+    a("--grouped-gemm", action="store_true", help="run the local experts as grouped GEMMs (torch._grouped_mm where "
+      "available, a batched matmul elsewhere)")
+    a("--overlap-shared", action="store_true", help="compute the shared expert while the dispatch all-to-all is in flight")
     a("--time-a2a", action="store_true", help="synchronize CUDA around each all-to-all to time it (costs overlap)")
     return p
 
@@ -369,6 +595,23 @@ def check_args(args, world):
                   "route each token to at least 1 and at most --experts experts")
     if world % args.ep:
         gpt2.fail(f"{world} ranks do not form groups of --ep {args.ep}", "--ep", "give a divisor of the world size")
+    if args.norm_topk and args.top_k == 1:
+        gpt2.fail("--norm-topk with --top-k 1 makes every gate 1", "--norm-topk",
+                  "drop --norm-topk or route to --top-k 2 or more (the router would learn from the aux loss only)")
+    if args.z_loss is None:
+        # ST-MoE's z-loss keeps the softmax's logits small, so exp() neither overflows nor rounds the
+        # probabilities away; a sigmoid router has no softmax to protect (DeepSeek-V3 uses none)
+        args.z_loss = 1e-3 if args.gate == "softmax" else 0.0
+    if args.max_ranks_per_token and not 1 <= args.max_ranks_per_token <= args.ep:
+        gpt2.fail(f"--max-ranks-per-token {args.max_ranks_per_token} is outside [1, --ep {args.ep}]",
+                  "--max-ranks-per-token", "give 0 (off) or a number of EP ranks")
+    if args.max_ranks_per_token and args.max_ranks_per_token * (args.experts // args.ep) < args.top_k:
+        gpt2.fail(f"--max-ranks-per-token {args.max_ranks_per_token} ranks hold {args.max_ranks_per_token * (args.experts // args.ep)}"
+                  f" experts, fewer than --top-k {args.top_k}", "--max-ranks-per-token", "allow more ranks per token")
+    if args.seq_aux_coef < 0:
+        gpt2.fail(f"--seq-aux-coef is {args.seq_aux_coef}", "--seq-aux-coef", "give 0 (off) or a positive coefficient")
+    if args.overlap_shared and not args.shared_expert:
+        gpt2.fail("--overlap-shared without a shared expert to overlap", "--overlap-shared", "add --shared-expert")
     if args.capacity_factor < 0:
         gpt2.fail(f"--capacity-factor is {args.capacity_factor}", "--capacity-factor",
                   "give 0 (dropless) or a positive factor")
@@ -421,11 +664,7 @@ def train(argv=None):
     profiler = gpt2.Profiler(args, ctx)
     print0(f"model {args.model}: {active / 1e6:.2f}M active non-embedding params, {cfg.n_layer} MoE layers x "
            f"{args.experts} experts (top-{args.top_k}) | EP {ep} x DP {dp} | device {ctx.device} {ctx.dtype}")
-    # closed form of one rank's all-to-all bytes per step: 2 exchanges forward + 2 backward (+2 recomputed)
-    # per layer, each sending the (ep-1)/ep of the kept N*k rows bound for other ranks if routing is uniform
     row_bytes = cfg.n_embd * ctx.dtype.itemsize
-    passes = 6 if args.activation_checkpointing else 4
-    N = args.batch_size * args.seq_len
     loads = []
 
     def val_loss_fn(x, y):
@@ -438,6 +677,7 @@ def train(argv=None):
         lr = gpt2.set_lr(opt, step, args)
         sums = torch.zeros(2, device=ctx.device)  # (train loss, balancing loss) of this rank
         counts = torch.zeros(cfg.n_layer, 2, args.experts, dtype=torch.long, device=ctx.device)
+        closed_bytes = 0
         for _ in range(args.grad_accum):
             x, y = train_loader.next_batch()
             with ctx.autocast():
@@ -445,6 +685,7 @@ def train(argv=None):
             c = global_counts(moes, world, meter)
             aux = balance_loss(moes, c, args)
             counts += c
+            closed_bytes += a2a_bytes_closed(moes, ep, args.activation_checkpointing)
             sums += torch.stack([loss.detach(), aux.detach()]) / args.grad_accum
             ((loss + aux) / args.grad_accum).backward()
         if world > 1:
@@ -468,13 +709,13 @@ def train(argv=None):
         drop = 1 - kept.sum().item() / routed.sum().item()
         a2a_mb, a2a_ms = a2a.take_mb(), a2a.seconds * 1e3
         a2a.seconds = 0.0
-        theory_mb = args.grad_accum * cfg.n_layer * (ep - 1) / ep * (
-            passes * N * args.top_k * (1 - drop) * row_bytes + args.experts * 8) / 1e6
+        theory_mb = args.grad_accum * cfg.n_layer * a2a_bytes_uniform(args, args.batch_size * args.seq_len, row_bytes,
+                                                                      drop) / 1e6
         metrics.log_step(step, loss_val, lr, comm_mb=a2a_mb + meter.take_mb(), aux_loss=aux_val, drop_rate=drop,
-                         a2a_mb=a2a_mb, a2a_mb_theory=theory_mb, a2a_ms=a2a_ms, max_load=load.max().item(),
+                         a2a_mb=a2a_mb, a2a_mb_closed=closed_bytes / 1e6, a2a_mb_theory=theory_mb, a2a_ms=a2a_ms, max_load=load.max().item(),
                          expert_load=[[round(v, 4) for v in layer] for layer in load.tolist()])
         print0(f"      moe | aux {aux_val:.5f} | drop {100 * drop:5.2f}% | max/mean load {load.max().item():.2f} | "
-               f"a2a {a2a_mb:.3f} MB (uniform closed form {theory_mb:.3f} MB) {a2a_ms:.1f} ms")
+               f"a2a {a2a_mb:.3f} MB (closed form {closed_bytes / 1e6:.3f}, uniform routing {theory_mb:.3f}) {a2a_ms:.1f} ms")
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             model.eval()
             metrics.log_val(step, gpt2.evaluate(val_loss_fn, val_loader, args.eval_steps, ctx.device))
