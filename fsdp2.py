@@ -17,9 +17,9 @@ while this unit computes.
 
       rank 0 keeps W[0:r]  fp32  (+ grad + AdamW m, v)   rank 1 keeps W[r:2r]  (+ grad + m, v)
                 |                                                  |
-    forward     +------------- all_gather (bf16 on CUDA) ----------+     next unit's gather
+    forward     +------- all_gather (in the gather dtype) ---------+     next unit's gather
                 v                                                  v     already in flight
-      full W (both ranks): run the Block;  ZeRO-3: free W now  |  ZeRO-2: keep W until backward
+      full W (both ranks): run the Block;  ZeRO-3: free W now  |  SHARD_GRAD_OP: keep W until backward
     backward    ZeRO-3: all_gather W again (prefetched one unit ahead), compute dW (full size)
                 +----------- reduce_scatter(dW, fp32, sum) --------+
                 v                                                  v
@@ -28,16 +28,48 @@ while this unit computes.
                 AdamW on the slices only; nothing else moves
 
     bytes sent per rank per micro-step, P params, N ranks (ring algorithms, CommMeter's convention):
-      DDP     all_reduce(grads fp32)                       2 (N-1)/N 4P
-      ZeRO-3  gather fwd + gather bwd + reduce_scatter     3 (N-1)/N 4P  = 1.5x DDP   (fp32)
-      ZeRO-2  gather fwd + reduce_scatter                  2 (N-1)/N 4P  = 1.0x DDP
+      DDP            all_reduce(grads fp32)                       2 (N-1)/N 4P
+      ZeRO-3         gather fwd + gather bwd + reduce_scatter     3 (N-1)/N 4P  = 1.5x DDP   (fp32)
+      SHARD_GRAD_OP  gather fwd + reduce_scatter                  2 (N-1)/N 4P  = 1.0x DDP
       The root unit is gathered once per micro-step in both modes, as FSDP2 does (the embedding needs
-      it first, the head last, and the memory peak is at the head anyway), so for GPT-2 124M, whose
+      it first, the head last, and the embedding's backward needs it again at the very end), so for GPT-2 124M, whose
       root is 32% of P, ZeRO-3 sends 1.34x DDP in fp32, and 0.92x with bf16 gathers on CUDA.
+
+    Names. --reshard-after-forward 1 is ZeRO-3 (the paper's P_os+g+p, FSDP's FULL_SHARD). 0 keeps
+    each unit's full weights from its forward to its backward and still gathers them every micro-step:
+    FSDP's SHARD_GRAD_OP, "ZeRO-2-like" but not the paper's ZeRO-2, whose parameters are replicated
+    (never gathered; ddp.py's territory). Start-up: every rank builds the whole model
+    (gpt2.build_model().to(device)) and then keeps its slices, so for a moment each rank holds the full
+    fp32 weights (4P: 0.5 GB at 124M, 6 GB at 1.5B); real FSDP code builds on the meta device and
+    initializes only the local shards, which matters once 4P no longer fits beside the shards.
+
+    Memory per rank (bytes; p = gather dtype size, g = its gradient's size = p, 4 = the fp32 reduce
+    buffer; U_root = wte + wpe + ln_f, U_blk = one Block). The peak is at the end of backward, when the
+    root (the largest unit, thanks to the tied 50304 x C embedding) is reduced:
+      persistent     16 P / N                       fp32 slices + their grads + AdamW m, v
+      ZeRO-3         + (p + g + 4) U_root           root gathered since forward; its full gradient (the
+                                                    head's part waits in autograd since the head's
+                                                    backward); the fp32 reduce-scatter buffer
+                     + 4 U_blk                      block 0's reduce-scatter still in flight
+      SHARD_GRAD_OP  + (p + g) U_root + max(p L U_blk + (g + 4) U_blk,  4 U_root + 4 U_blk)
+                                                    (all L blocks stay gathered until their backward)
+      + activations, counted separately (they scale with B x T, the rest does not).
+      GPT-2 124M, N = 8, bf16 gathers (p = g = 2): 16P/N = 249 MB; ZeRO-3 593 MB; SHARD_GRAD_OP 619 MB;
+      fp32 gathers (p = g = 4): 750 MB and 961 MB. "16P/N + the largest gathered unit" (328 MB) misses
+      the root's full gradient and the fp32 buffer. report() prints this formula at step 0 (beside
+      the measured peak on CUDA); tests/bench_fsdp2.py prints it beside the measured peak of fsdp2.py
+      and of fully_shard.
+
+    Precision. With --dtype bfloat16 (the CUDA default) every parameter is gathered in bf16, as
+    fully_shard's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) does: the embedding
+    output, the LayerNorms and the whole residual stream are then bf16 (gpt2.py and ddp.py keep them
+    fp32 under autocast), and each rank's full gradients are bf16 before the fp32 reduce-scatter. It is
+    not lossless: the loss curve moves away from gpt2.py's bf16 curve (tests/test_fsdp2.py measures
+    by how much). The fp32 master slices and AdamW stay fp32.
 
 Launch:
     torchrun --nproc_per_node=2 fsdp2.py --batch-size 4          # tiny, CPU: = gpt2.py train --batch-size 8
-    torchrun --nproc_per_node=2 fsdp2.py --batch-size 4 --reshard-after-forward 0      # ZeRO-2
+    torchrun --nproc_per_node=2 fsdp2.py --batch-size 4 --reshard-after-forward 0      # SHARD_GRAD_OP
     torchrun --nproc_per_node=8 fsdp2.py --model gpt2 --data data/fineweb10B --batch-size 16 --grad-accum 4 \\
         --seq-len 1024 --steps 19073 --warmup 700 --lr 6e-4 --compile             # the 124M speedrun setting
     torchrun --nproc_per_node=2 tests/bench_fsdp2.py          # ours against fully_shard, same run
@@ -94,9 +126,6 @@ class ShardedUnit:
         self.shard_numel = sum(self.numels)
         self.gathered, self.gather_work, self.gather_buf = False, None, None
         self.grads_ready = 0
-
-    def full_bytes(self):
-        return sum(p.numel() for p in self.padded) * torch.finfo(self.param_dtype).bits // 8
 
     # -- all-gather ------------------------------------------------------------------------------
     def all_gather_shards(self, dtype, async_op):
@@ -234,7 +263,7 @@ class FullyShardedGPT:
         return loss
 
     def _pre_backward(self, i, grad):
-        self.blocks[i].unshard()  # ZeRO-3: waits for the prefetched gather; ZeRO-2: still gathered
+        self.blocks[i].unshard()  # ZeRO-3: waits for the prefetched gather; SHARD_GRAD_OP: still gathered
         if i > 0:
             self.blocks[i - 1].start_gather()  # backward runs the units in reverse: prefetch i-1
         self._count_gathered()
@@ -302,11 +331,51 @@ def persistent_mb(fsdp, opt):
     return nbytes(shards), nbytes(s.grad for s in shards if s.grad is not None), nbytes(adam)
 
 
+def memory_formula(fsdp):
+    """The docstring's peak per rank without activations, in MB, from this run's real unit sizes
+    (padded rows included): persistent fp32 slices + grads + AdamW, then the transient terms at the
+    end of backward (ZeRO-3) or at the last block's backward (SHARD_GRAD_OP, if larger)."""
+    p = torch.finfo(fsdp.root.param_dtype).bits // 8
+    g = p  # autograd gives the gathered parameters gradients of their own dtype
+    root = fsdp.root.world * fsdp.root.shard_numel
+    blk = max(u.world * u.shard_numel for u in fsdp.blocks)
+    persistent = 16 * sum(s.numel() for s in fsdp.shards())
+    end = {"gathered": p * root, "full_grads": g * root, "reduce_buffers": 4 * root + 4 * blk}
+    if not fsdp.reshard_after_forward:  # SHARD_GRAD_OP: at block L-1's backward every block is still gathered
+        mid = {"gathered": p * (root + len(fsdp.blocks) * blk), "full_grads": g * (root + blk), "reduce_buffers": 4 * blk}
+        if sum(mid.values()) > sum(end.values()):
+            end = mid
+    f = {"persistent": persistent, **end}
+    f["peak"] = sum(f.values())
+    return {k: v / 1e6 for k, v in f.items()}
+
+
+def activation_mb(loss_fn, fsdp):
+    """MB of tensors autograd saves for backward during loss_fn() (one forward), each storage counted
+    once, the gathered weights left out (they are the formula's "gathered" term). Runs the backward
+    too, so the units end resharded, and drops the gradients it made."""
+    weights = {p.untyped_storage()._cdata for u in fsdp.units for p in u.padded}  # stable across refills
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st._cdata not in weights:
+            seen[st._cdata] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn()
+    loss.backward()
+    fsdp.finish_backward()
+    for s in fsdp.shards():
+        s.grad = None
+    return sum(seen.values()) / 1e6
+
+
 def report(fsdp, args, ctx, n_total, mem, step_comm_mb):
-    """Rank 0's persistent bytes against 16 bytes x params / world, and the step's measured traffic
-    against the formula in the docstring."""
+    """Rank 0's persistent bytes against 16 bytes x params / world, the peak formula of the docstring
+    (beside the measured peak on CUDA), and the step's measured traffic against its formula."""
     p_mb, g_mb, o_mb = mem
-    biggest = max(u.full_bytes() for u in fsdp.units) / 1e6
+    f = memory_formula(fsdp)
     n, micro = ctx.world, args.grad_accum
     pbytes = torch.finfo(fsdp.root.param_dtype).bits // 8
     n_root = sum(p.numel() for p in fsdp.root.full)
@@ -314,10 +383,15 @@ def report(fsdp, args, ctx, n_total, mem, step_comm_mb):
     theory = micro * (n - 1) / n * ((gathers * (n_total - n_root) + n_root) * pbytes + 4 * n_total) / 1e6
     ddp = 2 * (n - 1) / n * 4 * n_total / 1e6  # per micro-step (with no_sync DDP sends it once per step)
     print0(f"memory/rank: params {p_mb:.2f} + grads {g_mb:.2f} + adam {o_mb:.2f} = {p_mb + g_mb + o_mb:.2f} MB "
-           f"(theory 16 x {n_total / 1e6:.2f}M / {n} = {16 * n_total / n / 1e6:.2f} MB) + largest gathered unit "
-           f"{biggest:.2f} MB | at most {fsdp.max_gathered_blocks} of {len(fsdp.blocks)} blocks gathered at once")
+           f"(theory 16 x {n_total / 1e6:.2f}M / {n} = {16 * n_total / n / 1e6:.2f} MB) | "
+           f"at most {fsdp.max_gathered_blocks} of {len(fsdp.blocks)} blocks gathered at once")
+    measured = f" | measured peak {torch.cuda.max_memory_allocated(ctx.device) / 1e6:.2f} MB (with activations)" \
+        if ctx.device.type == "cuda" else " | CPU: tests/bench_fsdp2.py measures the peak"
+    print0(f"peak memory/rank formula: persistent {f['persistent']:.2f} + gathered {f['gathered']:.2f} + full grads "
+           f"{f['full_grads']:.2f} + fp32 reduce buffers {f['reduce_buffers']:.2f} = {f['peak']:.2f} MB "
+           f"+ activations{measured}")
     print0(f"comm/step: {step_comm_mb:.2f} MB measured | {theory:.2f} MB theory "
-           f"({'ZeRO-3' if fsdp.reshard_after_forward else 'ZeRO-2'}, root gathered once per micro-step) | "
+           f"({'ZeRO-3' if fsdp.reshard_after_forward else 'SHARD_GRAD_OP'}, root gathered once per micro-step) | "
            f"DDP all-reduce {ddp:.2f} MB per micro-step -> {theory / micro / ddp:.2f}x DDP")
 
 
@@ -329,7 +403,8 @@ def train(argv=None):
     p = gpt2.make_parser("Fully sharded data parallel (FSDP2 / ZeRO-3) from all_gather and reduce_scatter.")
     p.add_argument("--reshard-after-forward", type=int, default=1, choices=[0, 1],
                    help="1 = ZeRO-3: free each unit's gathered weights after its forward, gather again for "
-                        "backward; 0 = ZeRO-2: keep them until the unit's backward (less traffic, more memory)")
+                        "backward; 0 = FSDP's SHARD_GRAD_OP (ZeRO-2-like): keep them until the unit's backward "
+                        "(less traffic, more memory; still gathered every micro-step, unlike the paper's ZeRO-2)")
     args = p.parse_args(argv)
     # validate before any collective, so bad input fails fast instead of hanging the other ranks
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))

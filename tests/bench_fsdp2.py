@@ -8,7 +8,7 @@ memory per rank. On CUDA both gather bf16 and reduce fp32 (MixedPrecisionPolicy(
     torchrun --nproc_per_node=8 tests/bench_fsdp2.py --model gpt2 --seq-len 1024 --batch-size 16 --compile
 
 Peak memory = the most memory a rank held during the timed steps above what it held just before
-them (the parameter shards): activations, gathered weights, gradients, AdamW state. CUDA: the caching
+them (the parameter slices and AdamW's state), printed beside fsdp2.memory_formula's peak: activations, gathered weights, gradients, AdamW state. CUDA: the caching
 allocator's max_memory_allocated; CPU: the profiler's record of every CPU allocation
 (profile_memory=True), in a separate pass so the profiler does not slow the timed steps.
 """
@@ -47,6 +47,7 @@ def build_ours(args, ctx):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
+    step.fsdp = fsdp
     return step, fsdp.comm
 
 
@@ -91,7 +92,8 @@ def cpu_peak_from_profile(prof):
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = [e for e in json.load(open(f.name))["traceEvents"] if e.get("name") == "[memory]"]
-    events = [e["args"] for e in events if e["args"].get("Device Type", 0) == 0]
+    # in time order: the trace lists each thread's events together (gloo's threads allocate too)
+    events = [e["args"] for e in sorted(events, key=lambda e: e["ts"]) if e["args"].get("Device Type", 0) == 0]
     if not events:
         return 0.0
     start = events[0]["Total Allocated"] - events[0]["Bytes"]
@@ -133,6 +135,10 @@ def main():
     impls = {"fsdp2.py": build_ours, "fully_shard": build_fully_shard}
     data = batches(args, ctx, 3 + args.rounds * args.steps)
     peaks = {name: peak_memory_mb(build, args, ctx, data) for name, build in impls.items()}
+    ours, _ = build_ours(args, ctx)
+    formula = fsdp2.memory_formula(ours.fsdp)
+    act_mb = fsdp2.activation_mb(lambda: ours.fsdp.forward(*data[0]), ours.fsdp)
+    del ours
 
     steps, comm, times, losses = {}, None, {name: [] for name in impls}, {name: [] for name in impls}
     for name, build in impls.items():
@@ -163,6 +169,13 @@ def main():
     print0(f"| {'step time (ms)':28s} | {t_ours:10.1f} | {t_fs:11.1f} | {t_ours / t_fs:6.3f} |")
     print0(f"| {'peak memory / rank (MB)':28s} | {m_ours:10.1f} | {m_fs:11.1f} | {m_ours / m_fs:6.3f} |")
     print0(f"| {'comm / step / rank (MB)':28s} | {comm_mb:10.2f} | {'':11s} | {'':6s} |")
+    # the measured peak is above the slices and AdamW state held before the step: the formula's
+    # persistent 16P/N minus those 12P/N
+    before = formula["persistent"] * 12 / 16
+    print0(f"formula, peak above slices + AdamW, without activations: {formula['peak'] - before:.1f} MB "
+           f"(grads {formula['persistent'] - before:.1f} + gathered {formula['gathered']:.1f} + full grads "
+           f"{formula['full_grads']:.1f} + fp32 reduce buffers {formula['reduce_buffers']:.1f}); activations saved "
+           f"for backward (measured, rank 0): {act_mb:.1f} MB")
     print0(f"loss curves (same batches) max relative difference: {same:.2e}")
     dist.destroy_process_group()
 
