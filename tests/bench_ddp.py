@@ -2,11 +2,13 @@
 
     torchrun --nproc_per_node=2 tests/bench_ddp.py                     # CPU, gloo (tiny GPT-2, 4 layers)
     torchrun --nproc_per_node=8 tests/bench_ddp.py --model gpt2 --batch-size 16 --seq-len 1024
+    python tests/bench_ddp.py --per-rank-124m     # GPT-2 124M at 8 ranks: bytes and memory per rank (no GPU)
 
 A step is forward, backward, gradient sync, clip, AdamW. The variants run in interleaved rounds (so
 background load hits them alike); the table gives each one's median step time and its ratio to torch's
 DDP, plus the bytes each rank sent per step and the largest weight difference to torch's DDP at the end.
 """
+import gc
 import os
 import statistics
 import sys
@@ -21,7 +23,89 @@ import ddp  # noqa: E402
 import gpt2  # noqa: E402
 
 
+def activation_mb(cfg, batch_size, seq_len, probe_tokens=128):
+    """Bytes saved for backward, bf16 autocast, counted with saved_tensors_hooks (each storage once,
+    parameters excluded) in real CPU forwards of 1 x probe_tokens and 1 x probe_tokens/2 tokens. The
+    difference is the per-token part (CPU SDPA is a flash kernel: out + logsumexp, no T x T), scaled to
+    batch_size x seq_len; what does not scale is autocast's bf16 copy of the weights (2P), returned apart."""
+    model = gpt2.GPT(cfg)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved(tokens):
+        seen = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        idx = torch.randint(0, cfg.vocab_size, (1, tokens))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, idx)[1]
+        del loss
+        return sum(seen.values())
+
+    full, half = saved(probe_tokens), saved(probe_tokens // 2)
+    per_token = (full - half) / (probe_tokens - probe_tokens // 2)
+    return per_token * batch_size * seq_len / 1e6, (full - per_token * probe_tokens) / 1e6
+
+
+def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
+    """GPT-2 124M, fp32 master weights + AdamW, at `world` ranks: one real optimizer step of our classes
+    on rank 0 of torch's fake process group (collectives are no-ops; CommMeter counts the bytes of the
+    calls really issued), with a 1 x 32-token batch (the bytes and buffers do not depend on the batch)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    torch.manual_seed(0)
+    cfg = gpt2.MODELS["gpt2"]
+    act, weight_copies = activation_mb(cfg, batch_size, seq_len)
+    args = gpt2.make_parser("").parse_args(["--model", "gpt2", "--device", "cpu"])
+    rows = []
+    for zero in (0, 1, 2):
+        model = gpt2.GPT(cfg)
+        meter = gpt2.CommMeter()
+        dp = ddp.DataParallel(model, 25.0, zero, meter)
+        P = sum(p.numel() for p in dp.params)
+        groups = gpt2.optimizer_groups(model, args.weight_decay)
+        opt = dp.sharded_optimizer(groups, lambda g: gpt2.make_adamw(g, args, torch.device("cpu"))) if zero \
+            else gpt2.make_adamw(groups, args, torch.device("cpu"))
+        meter.take_mb()  # the start-up broadcast is not a step
+        idx = torch.randint(0, cfg.vocab_size, (1, 32))
+        dp(idx, idx)[1].backward()
+        dp.finish_grad_sync()
+        dp.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        measured, closed = ddp.memory_per_rank(dp, opt)
+        ring = 2 * (world - 1) / world * 4 * P / 1e6  # all-reduce = reduce-scatter + all-gather: 2(N-1)/N x 4P
+        rows.append({"setup": "ddp.py" + (f" --zero {zero}" if zero else ""), "comm_MB": meter.take_mb(),
+                     "comm_MB_closed": ring, "params_MB": measured["params"], "grads_MB": measured["grads"],
+                     "optim_MB": measured["optim"], "act_MB": act, "mem_MB_closed": sum(closed.values()),
+                     "how": f"fake PG rank 0 of {world}, one real CPU step (grads: peak of the buffers); "
+                            f"act: bf16 CPU forwards of 128 and 64 tokens, per-token part x{batch_size * seq_len} "
+                            f"(+ {weight_copies:.0f} MB bf16 weight copies, not per token)"})
+        dp.close()
+        del model, dp, opt
+        gc.collect()
+    return rows
+
+
+def print_per_rank_124m():
+    rows = per_rank_124m()
+    print(f"{'setup':18s} {'comm MB':>9s} {'closed':>9s} {'params':>8s} {'grads':>8s} {'AdamW':>8s} {'p+g+o':>8s} "
+          f"{'closed':>8s} {'act bf16':>9s}")
+    for r in rows:
+        print(f"{r['setup']:18s} {r['comm_MB']:9.1f} {r['comm_MB_closed']:9.1f} {r['params_MB']:8.1f} {r['grads_MB']:8.1f} "
+              f"{r['optim_MB']:8.1f} {r['params_MB'] + r['grads_MB'] + r['optim_MB']:8.1f} {r['mem_MB_closed']:8.1f} "
+              f"{r['act_MB']:9.1f}")
+    print(f"(MB per rank per optimizer step; {rows[0]['how']})")
+
+
 def main():
+    if "--per-rank-124m" in sys.argv:
+        return print_per_rank_124m()
     p = gpt2.make_parser("ours vs torch DDP step time")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size of both DDPs")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
@@ -34,7 +118,7 @@ def main():
     batches = [torch.randint(0, 50257, (args.batch_size, args.seq_len + 1), generator=g) for _ in range(args.steps)]
 
     variants = {}
-    for name in ("torch DDP", "ours", "ours, one bucket after backward", "ours + ZeRO-1"):
+    for name in ("torch DDP", "ours", "ours, one bucket after backward", "ours + ZeRO-1", "ours + ZeRO-2"):
         model = gpt2.build_model(args).to(ctx.device)
         meter = gpt2.CommMeter()
         if name == "torch DDP":
@@ -42,9 +126,12 @@ def main():
             opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
             dp = None
         else:
-            mb = float("inf") if "one bucket" in name else args.bucket_mb
-            dp = ddp.DataParallel(model, mb, zero1="ZeRO" in name, meter=meter)
-            fwd, opt = model, dp.make_optimizer(args, ctx.device)
+            mb = None if "one bucket" in name else args.bucket_mb
+            dp = ddp.DataParallel(model, mb, zero=int(name[-1]) if "ZeRO" in name else 0, meter=meter)
+            groups = gpt2.optimizer_groups(model, args.weight_decay)
+            opt = dp.sharded_optimizer(groups, lambda g: gpt2.make_adamw(g, args, ctx.device)) if dp.zero \
+                else gpt2.make_adamw(groups, args, ctx.device)
+            fwd = dp
         variants[name] = dict(model=model, fwd=fwd, opt=opt, dp=dp, meter=meter, times=[])
     for v in variants.values():
         v["meter"].take_mb()  # the start-up broadcast is not a step
@@ -60,8 +147,6 @@ def main():
             v["dp"].finish_grad_sync()
             v["dp"].clip_grad_norm_(args.grad_clip)
         v["opt"].step()
-        if v["dp"] is not None:
-            v["dp"].all_gather_params()
         v["opt"].zero_grad(set_to_none=True)
 
     for v in variants.values():  # warm up (allocations, thread pools)
