@@ -537,7 +537,8 @@ def comm_bytes_closed_form(cfg, args, grid, act_bytes, n_local_params):
 
 def saved_activation_bytes(model, idx, targets):
     """Bytes of the tensors autograd keeps for backward during one forward (parameters excluded, views
-    of one storage counted once), as (embedding + blocks, head + loss): a micro-step's activations."""
+    of one storage counted once), as (embedding + blocks, head + loss): a micro-step's activations.
+    Also returns the loss, so a caller may go on to backward."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept = [{}, {}]
 
@@ -553,8 +554,7 @@ def saved_activation_bytes(model, idx, targets):
         x = model.forward_blocks(model.embed(idx))
     with measure(1):
         loss = model.head_loss(x, targets)
-    del x, loss
-    return sum(kept[0].values()), sum(kept[1].values())
+    return sum(kept[0].values()), sum(kept[1].values()), loss
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -613,7 +613,7 @@ def main(argv=None):
     for sp in [False] + ([True] if grid.tp > 1 and args.seq_len % grid.tp == 0 else []):
         grid.sequence_parallel = sp
         with ctx.autocast():
-            blocks, head = saved_activation_bytes(model, probe, probe)
+            blocks, head, _ = saved_activation_bytes(model, probe, probe)
         gpt2.print0(f"activation memory per rank, one micro-batch, {'with' if sp else 'without'} sequence parallelism: "
                     f"{blocks / 1e6:.2f} MB embedding + blocks, {head / 1e6:.2f} MB head + loss")
     grid.sequence_parallel = args.sequence_parallel
