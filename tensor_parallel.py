@@ -10,7 +10,11 @@ output and one all-reduce finishes it. Attention splits the same way because hea
 The embedding and the tied LM head are cut along the vocabulary: no rank ever holds a full row of
 logits, the softmax is assembled from all-reduced maxima and sums. Sequence parallelism replaces each
 all-reduce by a reduce-scatter + all-gather (same bytes) and keeps the LayerNorm/residual stretch cut
-along the sequence, so its activations shrink by TP too.
+along the sequence, so its activations shrink by TP too. --overlap-comm hides backward communication
+under matmuls as Megatron-LM does: a column-parallel matmul's input-gradient all-reduce runs while its
+weight gradient is computed (with SP: the re-gather of its input runs while its input gradient is).
+The column/row-parallel linears, the vocab-parallel embedding and loss take any nn.Linear/nn.Embedding:
+GPT's blocks are one user of them, a toy MLP + LM head in the tests is another.
 
     2-D grid: world = DP x TP, rank = dp_rank * TP + tp_rank (TP neighbours share a node: NVLink)
 
@@ -38,9 +42,25 @@ along the sequence, so its activations shrink by TP too.
         TP + SP  17/t       LayerNorm inputs cut along T; c_attn/c_fc keep only their input's T/t
                             tokens and all-gather them again in backward (2 more all-gathers a block)
 
+    GPT-2 124M at 8 ranks, B=16, T=1024, bf16, per rank (measured by tests/bench_tensor_parallel.py
+    --per-rank-124m on a fake process group; TP=8 cannot cut 12 heads, so TP=4 and TP=2):
+                           bytes sent/step   params+grads+AdamW   activations (saved for backward)
+        TP=4 x DP=2             2052 MB           508 MB              4612 MB
+        TP=4 x DP=2 + SP        2529 MB           508 MB              2489 MB
+        TP=2 x DP=4             1660 MB          1003 MB              7333 MB
+        TP=2 x DP=4 + SP        1978 MB          1003 MB              4977 MB
+        ddp.py, DP=8             871 MB          1992 MB
+      params on a rank: L(12E^2 + 7E)/t + 6LE + VE/t + 1024E + 2E = 31.75M at t=4, x 16 bytes = 508 MB
+      bytes at t=4, N = B*T = 16384: one all-reduce of (N, E) bf16 is 2(t-1)/t * 25.2 MB = 37.7 MB; 4 per
+        block x 12 = 1812 MB, + embedding (fp32) 75.5 + head 37.7 + the DP grads 2(d-1)/d * 127 MB -> 2052 MB;
+        SP: 2 re-gathers per block and 1 for the head (+472 MB), the SP grads over TP (+5 MB) -> 2529 MB
+      ddp.py: 16P = 16 * 124.48M = 1992 MB and 2(7/8) * 4P = 871 MB. TP=4 holds 3.9x less and sends 2.4x
+        more, inside forward and backward (on the critical path): TP stays inside a node (NVLink).
+
 Launch:
     torchrun --nproc_per_node=2 tensor_parallel.py --tp 2                       # CPU gloo, tiny model
     torchrun --nproc_per_node=2 tensor_parallel.py --tp 2 --sequence-parallel
+    torchrun --nproc_per_node=2 tensor_parallel.py --tp 2 --overlap-comm        # same gradients, comm hidden
     torchrun --nproc_per_node=4 tensor_parallel.py --tp 2 --batch-size 4        # TP=2 x DP=2, global batch 8
     torchrun --nproc_per_node=8 tensor_parallel.py --model gpt2 --data data/fineweb10B --tp 4 \
         --sequence-parallel --batch-size 16 --seq-len 1024 --grad-accum 16 --compile   # 8 GPUs: TP=4 x DP=2
@@ -49,7 +69,14 @@ References: Shoeybi et al. 2019, Megatron-LM, section 3 and figures 3-4 (the f/g
 the vocab-parallel embedding/loss); Korthikanti et al. 2022, Reducing Activation Recomputation in Large
 Transformer Models, section 4.2.2 (sequence parallelism) and section 4.1 (activation memory);
 Narayanan et al. 2021, Efficient Large-Scale Language Model Training (section 2.3, the TP x DP grid);
-NVIDIA/Megatron-LM megatron/core/tensor_parallel; huggingface/picotron tensor_parallel.
+NVIDIA/Megatron-LM megatron/core/tensor_parallel (layers.py: the async all-reduce and the SP input
+re-gather in LinearWithGradAccumulationAndAsyncCommunication); huggingface/picotron tensor_parallel.
+Differs from Megatron: activations are (B, T, E), not (T, B, E), so the sequence gathers copy; with SP the
+reduce-scatter of the input gradient is not overlapped (gpt2's attention must see the gathered T).
+
+Uses from gpt2.py: GPT/Block and its attention/MLP modules (cut in place), build_model, make_loaders,
+optimizer_groups/make_adamw/set_lr/accumulate_grads/evaluate, setup/Context, CommMeter, Metrics, Profiler,
+all_gather_single/reduce_scatter_single, make_parser/check_args/fail/run_main.
 """
 import os
 from dataclasses import dataclass
@@ -374,7 +401,7 @@ class ParallelBlock(nn.Module):
         self.mlp.c_fc = ColumnParallelLinear(self.mlp.c_fc, grid)
         self.mlp.c_proj, self.mlp_bias = row_parallel(self.mlp.c_proj, grid)
 
-    def forward(self, x):
+    def forward(self, x):  # x (B, T, E), with SP (B, T/t, E); enter_tp gives attn/mlp the whole (B, T, E)
         x = x + (exit_tp(self.attn(enter_tp(self.ln_1(x), self.grid)), self.grid) + self.attn_bias)
         return x + (exit_tp(self.mlp(enter_tp(self.ln_2(x), self.grid)), self.grid) + self.mlp_bias)
 
@@ -387,9 +414,9 @@ def vocab_range(cfg, grid):
 def vocab_parallel_embedding(idx, weight, grid):
     """Rank r looks up the ids it owns and writes zeros for the others; exit_tp's sum then holds each
     token's row exactly once (Megatron-LM section 3, the input embedding)."""
-    lo, hi = grid.tp_rank * weight.size(0), (grid.tp_rank + 1) * weight.size(0)
-    foreign = (idx < lo) | (idx >= hi)
-    x = F.embedding((idx - lo).masked_fill(foreign, 0), weight)
+    lo, hi = grid.tp_rank * weight.size(0), (grid.tp_rank + 1) * weight.size(0)  # weight (V/t, E)
+    foreign = (idx < lo) | (idx >= hi)  # (B, T)
+    x = F.embedding((idx - lo).masked_fill(foreign, 0), weight)  # (B, T, E), exit_tp: SP (B, T/t, E)
     return exit_tp(x.masked_fill(foreign.unsqueeze(-1), 0.0), grid)
 
 
@@ -401,12 +428,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, grid, lo, vocab_size):
         cols = torch.arange(lo, lo + logits.size(1), device=logits.device)
         logits = logits.masked_fill(cols >= vocab_size, float("-inf"))  # the padding ids, as gpt2.GPT.logits
-        row_max = all_reduce(logits.max(dim=1).values, grid, op=dist.ReduceOp.MAX)
-        exp = (logits - row_max.unsqueeze(1)).exp_()
-        mine = (targets >= lo) & (targets < lo + logits.size(1))
+        row_max = all_reduce(logits.max(dim=1).values, grid, op=dist.ReduceOp.MAX)  # (N,)
+        exp = (logits - row_max.unsqueeze(1)).exp_()  # (N, V/t)
+        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is on this rank
         local_t = (targets - lo).masked_fill(~mine, 0)
         target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
-        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid)
+        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid)  # (2, N)
         loss = (stats[0].log() + row_max - stats[1]).mean()
         ctx.save_for_backward(exp.div_(stats[0].unsqueeze(1)), mine, local_t)  # exp becomes the softmax
         return loss
@@ -510,7 +537,78 @@ def clip_grad_norm(model, grid, max_norm):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Closed forms: bytes per step and activation memory
+# Training: gpt2.py train's loop on the TP model, then the grid's gradient sync and the global clip
+
+
+def train(args):
+    """args.tp already checked (see validate). One TP x DP grid, the full model built identically on every
+    rank (same seed) and cut, gpt2's data, AdamW and LR schedule; the gathered model saved in gpt2's layout."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    own_group = not dist.is_initialized()  # a caller (tests) may have started the process group
+    ctx = gpt2.setup(args)
+    grid = make_grid(ctx.world, ctx.rank, args.tp, args.sequence_parallel, args.overlap_comm)
+    full = gpt2.build_model(args)
+    cfg = full.config
+    validate(args, cfg, world)  # --init-from brings its own config
+    n_params = full.num_params()
+    model = TensorParallelGPT(full.to(ctx.device), grid)
+    del full
+    train_loader, val_loader = gpt2.make_loaders(args, grid.dp_rank, grid.dp, vocab_size=cfg.vocab_size)
+    opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * grid.dp
+    metrics = gpt2.Metrics(args, ctx, cfg, n_params, tokens_per_step)
+    profiler = gpt2.Profiler(args, ctx)
+    n_local = sum(p.numel() for p in model.parameters())
+    expected_mb = comm_bytes_closed_form(cfg, args, grid, torch.finfo(ctx.dtype).bits // 8, n_local) / 1e6
+    gpt2.print0(f"model {args.model}: {n_params / 1e6:.2f}M non-embedding params | grid TP={grid.tp} x DP={grid.dp}"
+                f"{' + SP' if args.sequence_parallel else ''}{' + overlap' if args.overlap_comm else ''} | "
+                f"{n_local / 1e6:.2f}M params on this rank | {ctx.device} {ctx.dtype}")
+    print_activation_memory(model, grid, args, ctx)  # eager, before compiling (see there)
+    if args.compile:  # the local math only: the collectives sit between the compiled pieces
+        for b in model.h:
+            b.attn.compile()
+            b.mlp.compile()
+
+    def loss_fn(x, y):
+        with ctx.autocast():
+            return model(x, y)
+
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = gpt2.set_lr(opt, step, args)
+        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
+        sync_grads(model, grid)
+        if args.grad_clip > 0:
+            clip_grad_norm(model, grid, args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_val = all_reduce(loss_sum, grid, group="dp").item() / grid.dp  # every TP rank holds the same loss
+        gpt2.check_finite(loss_val, step)
+        comm_mb = grid.meter.take_mb()
+        metrics.log_step(step, loss_val, lr, comm_mb=comm_mb, comm_closed_form_mb=expected_mb)
+        if step == 0:
+            gpt2.print0(f"communication per step per rank: {comm_mb:.3f} MB measured, {expected_mb:.3f} MB closed form")
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            model.eval()
+            # gpt2.evaluate averages over all ranks; TP ranks hold equal losses, so that is the DP mean
+            metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
+            model.train()
+            grid.meter.take_mb()
+    sd = model.full_state_dict()
+    if ctx.master:
+        torch.save({"config": cfg.__dict__, "model": sd}, os.path.join(args.out, "model.pt"))
+    metrics.plot()
+    gpt2.print0(f"saved {args.out}/model.pt (gathered, gpt2 layout) and {args.out}/loss.png")
+    if own_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ====================================================================================================
+# Appendix: closed forms and measurement, argument checks, command line
+# ====================================================================================================
+
+
 
 
 def comm_bytes_closed_form(cfg, args, grid, act_bytes, n_local_params):
@@ -556,9 +654,22 @@ def saved_activation_bytes(model, idx, targets):
         loss = model.head_loss(x, targets)
     return sum(kept[0].values()), sum(kept[1].values()), loss
 
+def print_activation_memory(model, grid, args, ctx):
+    """Print the activation bytes of one micro-batch, without and with sequence parallelism. Runs eagerly
+    before train compiles anything: under --compile, probing both modes inside the compiled modules cost
+    3 recompiles and a graph break before step 0. The probe's collectives are not counted."""
+    probe = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len),
+                          generator=torch.Generator().manual_seed(0)).to(ctx.device)
+    for sp in [False] + ([True] if grid.tp > 1 and args.seq_len % grid.tp == 0 else []):
+        grid.sequence_parallel = sp
+        with ctx.autocast():
+            blocks, head, _ = saved_activation_bytes(model, probe, probe)
+        gpt2.print0(f"activation memory per rank, one micro-batch, {'with' if sp else 'without'} sequence parallelism: "
+                    f"{blocks / 1e6:.2f} MB embedding + blocks, {head / 1e6:.2f} MB head + loss")
+    grid.sequence_parallel = args.sequence_parallel
+    grid.meter.take_mb()
 
-# ----------------------------------------------------------------------------------------------------
-# Training
+
 
 
 def validate(args, cfg, world):
@@ -586,78 +697,8 @@ def main(argv=None):
     p.add_argument("--overlap-comm", action="store_true",
                    help="in backward, run the column-parallel matmuls' dX all-reduce (SP: the input re-gather) under a matmul")
     args = p.parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    args.tp = validate(args, gpt2.model_config(args), world)
-    own_group = not dist.is_initialized()  # a caller (tests) may have started the process group
-    ctx = gpt2.setup(args)
-    grid = make_grid(ctx.world, ctx.rank, args.tp, args.sequence_parallel, args.overlap_comm)
-    full = gpt2.build_model(args)
-    cfg = full.config
-    validate(args, cfg, world)  # --init-from brings its own config
-    n_params = full.num_params()
-    model = TensorParallelGPT(full.to(ctx.device), grid)
-    del full
-    train_loader, val_loader = gpt2.make_loaders(args, grid.dp_rank, grid.dp, vocab_size=cfg.vocab_size)
-    opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * grid.dp
-    metrics = gpt2.Metrics(args, ctx, cfg, n_params, tokens_per_step)
-    profiler = gpt2.Profiler(args, ctx)
-    n_local = sum(p.numel() for p in model.parameters())
-    act_bytes = torch.finfo(ctx.dtype).bits // 8
-    expected_mb = comm_bytes_closed_form(cfg, args, grid, act_bytes, n_local) / 1e6
-    gpt2.print0(f"model {args.model}: {n_params / 1e6:.2f}M non-embedding params | grid TP={grid.tp} x DP={grid.dp}"
-                f"{' + SP' if args.sequence_parallel else ''} | {n_local / 1e6:.2f}M params on this rank | {ctx.device} {ctx.dtype}")
-
-    probe = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len),
-                          generator=torch.Generator().manual_seed(0)).to(ctx.device)
-    for sp in [False] + ([True] if grid.tp > 1 and args.seq_len % grid.tp == 0 else []):
-        grid.sequence_parallel = sp
-        with ctx.autocast():
-            blocks, head, _ = saved_activation_bytes(model, probe, probe)
-        gpt2.print0(f"activation memory per rank, one micro-batch, {'with' if sp else 'without'} sequence parallelism: "
-                    f"{blocks / 1e6:.2f} MB embedding + blocks, {head / 1e6:.2f} MB head + loss")
-    grid.sequence_parallel = args.sequence_parallel
-    grid.meter.take_mb()
-    # compiled only now: the probe above ran eagerly, so compile sees one sequence-parallel mode and
-    # step 0 is its first call (probing under compile cost 3 recompiles and a graph break before step 0)
-    if args.compile:  # the local math only: the collectives sit between the compiled pieces
-        for b in model.h:
-            b.attn.compile()
-            b.mlp.compile()
-
-    def loss_fn(x, y):
-        with ctx.autocast():
-            return model(x, y)
-
-    for step in range(args.steps):
-        profiler.step(step)
-        metrics.start_step()
-        lr = gpt2.set_lr(opt, step, args)
-        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
-        sync_grads(model, grid)
-        if args.grad_clip > 0:
-            clip_grad_norm(model, grid, args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_val = all_reduce(loss_sum, grid, group="dp").item() / grid.dp  # every TP rank holds the same loss
-        gpt2.check_finite(loss_val, step)
-        comm_mb = grid.meter.take_mb()
-        metrics.log_step(step, loss_val, lr, comm_mb=comm_mb, comm_closed_form_mb=expected_mb)
-        if step == 0:
-            gpt2.print0(f"communication per step per rank: {comm_mb:.3f} MB measured, {expected_mb:.3f} MB closed form")
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            model.eval()
-            # gpt2.evaluate averages over all ranks; TP ranks hold equal losses, so that is the DP mean
-            metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
-            model.train()
-            grid.meter.take_mb()
-    sd = model.full_state_dict()
-    if ctx.master:
-        torch.save({"config": cfg.__dict__, "model": sd}, os.path.join(args.out, "model.pt"))
-    metrics.plot()
-    gpt2.print0(f"saved {args.out}/model.pt (gathered, gpt2 layout) and {args.out}/loss.png")
-    if own_group and dist.is_initialized():
-        dist.destroy_process_group()
+    args.tp = validate(args, gpt2.model_config(args), int(os.environ.get("WORLD_SIZE", 1)))
+    train(args)
 
 
 if __name__ == "__main__":
