@@ -10,7 +10,11 @@ output and one all-reduce finishes it. Attention splits the same way because hea
 The embedding and the tied LM head are cut along the vocabulary: no rank ever holds a full row of
 logits, the softmax is assembled from all-reduced maxima and sums. Sequence parallelism replaces each
 all-reduce by a reduce-scatter + all-gather (same bytes) and keeps the LayerNorm/residual stretch cut
-along the sequence, so its activations shrink by TP too.
+along the sequence, so its activations shrink by TP too. --overlap-comm hides backward communication
+under matmuls as Megatron-LM does: a column-parallel matmul's input-gradient all-reduce runs while its
+weight gradient is computed (with SP: the re-gather of its input runs while its input gradient is).
+The column/row-parallel linears, the vocab-parallel embedding and loss take any nn.Linear/nn.Embedding:
+GPT's blocks are one user of them, a toy MLP + LM head in the tests is another.
 
     2-D grid: world = DP x TP, rank = dp_rank * TP + tp_rank (TP neighbours share a node: NVLink)
 
@@ -38,9 +42,25 @@ along the sequence, so its activations shrink by TP too.
         TP + SP  17/t       LayerNorm inputs cut along T; c_attn/c_fc keep only their input's T/t
                             tokens and all-gather them again in backward (2 more all-gathers a block)
 
+    GPT-2 124M at 8 ranks, B=16, T=1024, bf16, per rank (measured by tests/bench_tensor_parallel.py
+    --per-rank-124m on a fake process group; TP=8 cannot cut 12 heads, so TP=4 and TP=2):
+                           bytes sent/step   params+grads+AdamW   activations (saved for backward)
+        TP=4 x DP=2             2052 MB           508 MB              4612 MB
+        TP=4 x DP=2 + SP        2529 MB           508 MB              2489 MB
+        TP=2 x DP=4             1660 MB          1003 MB              7333 MB
+        TP=2 x DP=4 + SP        1978 MB          1003 MB              4977 MB
+        ddp.py, DP=8             871 MB          1992 MB
+      params on a rank: L(12E^2 + 7E)/t + 6LE + VE/t + 1024E + 2E = 31.75M at t=4, x 16 bytes = 508 MB
+      bytes at t=4, N = B*T = 16384: one all-reduce of (N, E) bf16 is 2(t-1)/t * 25.2 MB = 37.7 MB; 4 per
+        block x 12 = 1812 MB, + embedding (fp32) 75.5 + head 37.7 + the DP grads 2(d-1)/d * 127 MB -> 2052 MB;
+        SP: 2 re-gathers per block and 1 for the head (+472 MB), the SP grads over TP (+5 MB) -> 2529 MB
+      ddp.py: 16P = 16 * 124.48M = 1992 MB and 2(7/8) * 4P = 871 MB. TP=4 holds 3.9x less and sends 2.4x
+        more, inside forward and backward (on the critical path): TP stays inside a node (NVLink).
+
 Launch:
     torchrun --nproc_per_node=2 tensor_parallel.py --tp 2                       # CPU gloo, tiny model
     torchrun --nproc_per_node=2 tensor_parallel.py --tp 2 --sequence-parallel
+    torchrun --nproc_per_node=2 tensor_parallel.py --tp 2 --overlap-comm        # same gradients, comm hidden
     torchrun --nproc_per_node=4 tensor_parallel.py --tp 2 --batch-size 4        # TP=2 x DP=2, global batch 8
     torchrun --nproc_per_node=8 tensor_parallel.py --model gpt2 --data data/fineweb10B --tp 4 \
         --sequence-parallel --batch-size 16 --seq-len 1024 --grad-accum 16 --compile   # 8 GPUs: TP=4 x DP=2
@@ -49,7 +69,14 @@ References: Shoeybi et al. 2019, Megatron-LM, section 3 and figures 3-4 (the f/g
 the vocab-parallel embedding/loss); Korthikanti et al. 2022, Reducing Activation Recomputation in Large
 Transformer Models, section 4.2.2 (sequence parallelism) and section 4.1 (activation memory);
 Narayanan et al. 2021, Efficient Large-Scale Language Model Training (section 2.3, the TP x DP grid);
-NVIDIA/Megatron-LM megatron/core/tensor_parallel; huggingface/picotron tensor_parallel.
+NVIDIA/Megatron-LM megatron/core/tensor_parallel (layers.py: the async all-reduce and the SP input
+re-gather in LinearWithGradAccumulationAndAsyncCommunication); huggingface/picotron tensor_parallel.
+Differs from Megatron: activations are (B, T, E), not (T, B, E), so the sequence gathers copy; with SP the
+reduce-scatter of the input gradient is not overlapped (gpt2's attention must see the gathered T).
+
+Uses from gpt2.py: GPT/Block and its attention/MLP modules (cut in place), build_model, make_loaders,
+optimizer_groups/make_adamw/set_lr/accumulate_grads/evaluate, setup/Context, CommMeter, Metrics, Profiler,
+all_gather_single/reduce_scatter_single, make_parser/check_args/fail/run_main.
 """
 import os
 from dataclasses import dataclass
@@ -78,9 +105,10 @@ class Grid:
     dp_group: object
     sequence_parallel: bool
     meter: gpt2.CommMeter
+    overlap_comm: bool = False  # --overlap-comm: column-parallel backward communicates under the dW matmul
 
 
-def make_grid(world, rank, tp, sequence_parallel=False):
+def make_grid(world, rank, tp, sequence_parallel=False, overlap_comm=False):
     """rank = dp_rank * tp + tp_rank. Every rank must create every group, in the same order."""
     dp = world // tp
     tp_group = dp_group = None
@@ -91,25 +119,33 @@ def make_grid(world, rank, tp, sequence_parallel=False):
         for i in range(tp):
             g = dist.new_group([d * tp + i for d in range(dp)])
             dp_group = g if i == rank % tp else dp_group
-    return Grid(tp, dp, rank % tp, rank // tp, tp_group, dp_group, sequence_parallel, gpt2.CommMeter())
+    return Grid(tp, dp, rank % tp, rank // tp, tp_group, dp_group, sequence_parallel, gpt2.CommMeter(), overlap_comm)
 
 
-def all_reduce(x, grid, group="tp", op=dist.ReduceOp.SUM):
+def all_reduce(x, grid, group="tp", op=dist.ReduceOp.SUM, async_op=False):
+    """In place; returns x, or with async_op the work handle to wait on (None when alone)."""
     n, g = (grid.tp, grid.tp_group) if group == "tp" else (grid.dp, grid.dp_group)
+    work = None
     if n > 1:
-        dist.all_reduce(x, op=op, group=g)
+        work = dist.all_reduce(x, op=op, group=g, async_op=async_op)
         grid.meter.all_reduce(x.numel() * x.element_size(), n)
-    return x
+    return work if async_op else x
 
 
-def gather_sequence(x, grid):
+def gather_sequence(x, grid, async_op=False):
     """(B, T/t, ...) -> (B, T, ...): rank r's tokens land at positions r*T/t ... The gather stacks along
-    a new leading dim; Megatron keeps activations (T, B, E) so that this is copy-free, gpt2 is (B, T, E)."""
+    a new leading dim; Megatron keeps activations (T, B, E) so that this is copy-free, gpt2 is (B, T, E).
+    With async_op it returns a function that waits for the gather and then returns the (B, T, ...) tensor."""
     x = x.contiguous()
     out = torch.empty((grid.tp * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_single(out, x, group=grid.tp_group)  # concatenated along dim 0: (t*B, T/t, ...)
+    work = all_gather_single(out, x, group=grid.tp_group, async_op=async_op)  # (t*B, T/t, ...)
     grid.meter.all_gather(out.numel() * out.element_size(), grid.tp)
-    return out.view(grid.tp, *x.shape).transpose(0, 1).reshape(x.size(0), grid.tp * x.size(1), *x.shape[2:])
+
+    def arranged():
+        if work is not None:
+            work.wait()
+        return out.view(grid.tp, *x.shape).transpose(0, 1).reshape(x.size(0), grid.tp * x.size(1), *x.shape[2:])
+    return arranged if async_op else arranged()
 
 
 def reduce_scatter_sequence(x, grid):
@@ -179,17 +215,27 @@ class ReduceScatterSequence(torch.autograd.Function):
 
 
 def enter_tp(x, grid):
-    """Into a column-parallel matmul. Under autocast the matmul would cast to bf16 anyway: cast first,
-    so f's communication (forward all-gather, backward all-reduce or reduce-scatter) moves bf16."""
+    """f, into a column-parallel matmul, whose input this must be and whose ONLY consumer. Which Function runs:
+        TP + SP              GatherSequence  fwd all-gather along T        bwd reduce-scatter dX along T
+        TP                   CopyToTP        fwd identity                  bwd all-reduce dX
+        TP + overlap-comm    none: the matmul's LinearOverlapAllReduce all-reduces dX itself, under dW
+        tp == 1              none
+    Under autocast the matmul would cast to bf16 anyway: cast first, so f's communication moves bf16."""
     if grid.tp == 1:
         return x
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    return GatherSequence.apply(x, grid) if grid.sequence_parallel else CopyToTP.apply(x, grid)
+    if grid.sequence_parallel:
+        return GatherSequence.apply(x, grid)
+    return x if grid.overlap_comm else CopyToTP.apply(x, grid)
 
 
 def exit_tp(x, grid):
-    """Out of a row-parallel matmul (or the vocab-parallel embedding): sum the partial results."""
+    """g, out of a row-parallel matmul (or the vocab-parallel embedding): sum the partial results.
+    Which Function runs:
+        TP + SP   ReduceScatterSequence  fwd reduce-scatter along T (B, T, E) -> (B, T/t, E)  bwd all-gather
+        TP        ReduceFromTP           fwd all-reduce                                     bwd identity
+        tp == 1   none"""
     if grid.tp == 1:
         return x
     return ReduceScatterSequence.apply(x, grid) if grid.sequence_parallel else ReduceFromTP.apply(x, grid)
@@ -219,57 +265,127 @@ def unshard(w, grid, dim=0, pieces=1):
 
 def split_param(t, grid, dim=0, pieces=1):
     """A parameter holding this rank's shard; tp_split remembers how to put the full tensor back."""
+    if t is None:  # a Linear without bias
+        return None
     p = nn.Parameter(shard(t.detach(), grid, dim, pieces))
     p.tp_split = (dim, pieces)
     return p
 
 
+def linear_grads(grad, x, weight, has_bias):
+    """dW = dY^T X and db = sum dY, as autograd's linear computes them (X already in dY's dtype: autocast
+    does not reach a custom backward, so the Functions cast to the forward's dtype themselves)."""
+    grad_2d = grad.flatten(0, -2)  # (B*T, out)
+    grad_w = (grad_2d.t() @ x.flatten(0, -2)).to(weight.dtype)  # (out, in)
+    return grad_w, grad_2d.float().sum(0).to(weight.dtype) if has_bias else None
+
+
 class LinearRegatherInput(torch.autograd.Function):
-    """Y = X W^T + b for an all-gathered X that is NOT kept for backward: only this rank's tokens are
-    saved, and backward all-gathers them again for the weight gradient (Korthikanti et al. section
-    4.2.2). Autocast does not reach a custom backward, so it casts to the forward's dtype itself."""
+    """Y = X W^T + b for an all-gathered X (B, T, in) that is NOT kept for backward: only this rank's
+    tokens (B, T/t, in) are saved, and backward all-gathers them again for the weight gradient
+    (Korthikanti et al. section 4.2.2). With --overlap-comm that re-gather runs while dX = dY W is
+    computed (it needs no X), as Megatron-LM does; without, it comes first. dX leaves whole (B, T, in):
+    enter_tp's GatherSequence reduce-scatters it (Megatron also overlaps that one with dW; here it
+    cannot, as gpt2's attention must see the gathered T, so the gather stays outside this Function)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, grid):
         n = x.size(1) // grid.tp
-        ctx.grid = grid
+        ctx.grid, ctx.has_bias = grid, bias is not None
         ctx.save_for_backward(x[:, grid.tp_rank * n:(grid.tp_rank + 1) * n].clone(), weight)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        mine, weight = ctx.saved_tensors
-        x = gather_sequence(mine, ctx.grid).flatten(0, -2).to(grad.dtype)
-        grad_x = grad @ weight.to(grad.dtype)
-        grad_w = grad.flatten(0, -2).t() @ x
-        return grad_x, grad_w.to(weight.dtype), grad.flatten(0, -2).float().sum(0).to(weight.dtype), None
+        mine, weight = ctx.saved_tensors  # (B, T/t, in), (out, in)
+        if ctx.grid.overlap_comm:
+            regathered = gather_sequence(mine, ctx.grid, async_op=True)  # in flight while dX computes
+            grad_x = grad @ weight.to(grad.dtype)  # (B, T, in)
+            x = regathered()  # (B, T, in)
+        else:
+            x = gather_sequence(mine, ctx.grid)
+            grad_x = grad @ weight.to(grad.dtype)
+        grad_w, grad_b = linear_grads(grad, x.to(grad.dtype), weight, ctx.has_bias)
+        return grad_x, grad_w, grad_b, None
+
+
+class LinearOverlapAllReduce(torch.autograd.Function):
+    """Y = X W^T + b for a replicated X, with f's backward all-reduce of dX moved in here so it runs
+    while the weight gradient is computed (Megatron-LM's async tensor-parallel all-reduce):
+        off (F.linear, then CopyToTP):  dX = dY W ; dW = dY^T X, db ; all-reduce dX          (in a row)
+        on  (this Function):            dX = dY W ; all-reduce dX ......... wait ; return
+                                                    dW = dY^T X, db
+    The same matmuls on the same tensors: the gradients are bit-identical to off."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, grid):
+        ctx.grid, ctx.has_bias = grid, bias is not None
+        ctx.save_for_backward(x, weight)  # x (B, T, in) as F.linear would keep it
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight.to(grad.dtype)  # (B, T, in): this rank's partial sum of dX
+        work = all_reduce(grad_x, ctx.grid, async_op=True)
+        grad_w, grad_b = linear_grads(grad, x.to(grad.dtype), weight, ctx.has_bias)
+        work.wait()
+        return grad_x, grad_w, grad_b, None
+
+
+def column_parallel_linear(x, weight, bias, grid):
+    """Y_r = X W_r^T + b_r, the output features this rank owns; x is enter_tp's output. In training
+    the Function that runs is: with SP LinearRegatherInput, with --overlap-comm LinearOverlapAllReduce,
+    otherwise plain F.linear (CopyToTP then all-reduces dX after autograd's linear backward)."""
+    if grid.tp > 1 and torch.is_grad_enabled() and (grid.sequence_parallel or grid.overlap_comm):
+        return _column_function(x, weight, bias, grid)
+    return F.linear(x, weight, bias)
+
+
+@torch.compiler.disable  # a collective in a custom backward: keep it out of the compiled graph
+def _column_function(x, weight, bias, grid):
+    fn = LinearRegatherInput if grid.sequence_parallel else LinearOverlapAllReduce
+    return fn.apply(x, weight, bias, grid)
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_r = X W_r^T + b_r: the output features of rank r. X must come through enter_tp."""
+    """nn.Linear cut by output features (rows of its weight): Y_r = X W_r^T + b_r. Its input must
+    come through enter_tp; its output is this rank's slice of the features (Megatron-LM's A_r in
+    section 3). Works for any nn.Linear: gpt2's c_attn (pieces=3: q, k, v cut separately), c_fc, a
+    toy MLP's first layer, a toy LM head (then feed vocab_parallel_cross_entropy)."""
 
     def __init__(self, linear: nn.Linear, grid, pieces=1):
         super().__init__()
         self.grid = grid
-        self.weight = split_param(linear.weight, grid, 0, pieces)
-        self.bias = split_param(linear.bias, grid, 0, pieces)
+        self.weight = split_param(linear.weight, grid, 0, pieces)  # (out/t, in)
+        self.bias = split_param(linear.bias, grid, 0, pieces)  # (out/t,) or None
 
     def forward(self, x):
-        if self.grid.sequence_parallel and self.grid.tp > 1 and torch.is_grad_enabled():
-            return self.linear_regather_input(x)
-        return F.linear(x, self.weight, self.bias)
-
-    @torch.compiler.disable  # a collective in a custom backward: keep it out of the compiled graph
-    def linear_regather_input(self, x):
-        return LinearRegatherInput.apply(x, self.weight, self.bias, self.grid)
+        return column_parallel_linear(x, self.weight, self.bias, self.grid)
 
 
 def row_parallel(linear: nn.Linear, grid):
     """Y = sum_r X_r W_r^T + b: rank r multiplies its input features and returns a partial sum (no bias;
     the bias is added once, after exit_tp). Returns the local nn.Linear and the replicated bias."""
     out = nn.Linear(linear.in_features // grid.tp, linear.out_features, bias=False, device="meta")
-    out.weight = split_param(linear.weight, grid, dim=1)
-    return out, nn.Parameter(linear.bias.detach().clone())
+    out.weight = split_param(linear.weight, grid, dim=1)  # (out, in/t)
+    return out, None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+
+
+class RowParallelLinear(nn.Module):
+    """nn.Linear cut by input features, g included: X_r (..., in/t) is this rank's slice of the features
+    (a ColumnParallelLinear's output, after any element-wise function); the output is whole (with SP,
+    this rank's tokens). For any model; GPT's blocks call row_parallel directly, so that g runs outside
+    gpt2's compiled attention/MLP modules."""
+
+    def __init__(self, linear: nn.Linear, grid):
+        super().__init__()
+        self.grid = grid
+        self.local, self.bias = row_parallel(linear, grid)
+
+    def forward(self, x):
+        y = exit_tp(self.local(x), self.grid)  # (..., out): summed over the TP group
+        return y if self.bias is None else y + self.bias
 
 
 class ParallelBlock(nn.Module):
@@ -285,7 +401,7 @@ class ParallelBlock(nn.Module):
         self.mlp.c_fc = ColumnParallelLinear(self.mlp.c_fc, grid)
         self.mlp.c_proj, self.mlp_bias = row_parallel(self.mlp.c_proj, grid)
 
-    def forward(self, x):
+    def forward(self, x):  # x (B, T, E), with SP (B, T/t, E); enter_tp gives attn/mlp the whole (B, T, E)
         x = x + (exit_tp(self.attn(enter_tp(self.ln_1(x), self.grid)), self.grid) + self.attn_bias)
         return x + (exit_tp(self.mlp(enter_tp(self.ln_2(x), self.grid)), self.grid) + self.mlp_bias)
 
@@ -298,26 +414,26 @@ def vocab_range(cfg, grid):
 def vocab_parallel_embedding(idx, weight, grid):
     """Rank r looks up the ids it owns and writes zeros for the others; exit_tp's sum then holds each
     token's row exactly once (Megatron-LM section 3, the input embedding)."""
-    lo, hi = grid.tp_rank * weight.size(0), (grid.tp_rank + 1) * weight.size(0)
-    foreign = (idx < lo) | (idx >= hi)
-    x = F.embedding((idx - lo).masked_fill(foreign, 0), weight)
+    lo, hi = grid.tp_rank * weight.size(0), (grid.tp_rank + 1) * weight.size(0)  # weight (V/t, E)
+    foreign = (idx < lo) | (idx >= hi)  # (B, T)
+    x = F.embedding((idx - lo).masked_fill(foreign, 0), weight)  # (B, T, E), exit_tp: SP (B, T/t, E)
     return exit_tp(x.masked_fill(foreign.unsqueeze(-1), 0.0), grid)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy from (N, V/t) logit shards. Only (N,)-sized statistics cross ranks: the row
+    """Mean cross-entropy from (N, V/t) logit shards (rank r holds columns lo .. lo + V/t - 1). Only (N,)-sized statistics cross ranks: the row
     max, then [sum of exp, target logit] in one all-reduce. Backward is local: softmax - one_hot."""
 
     @staticmethod
     def forward(ctx, logits, targets, grid, lo, vocab_size):
         cols = torch.arange(lo, lo + logits.size(1), device=logits.device)
         logits = logits.masked_fill(cols >= vocab_size, float("-inf"))  # the padding ids, as gpt2.GPT.logits
-        row_max = all_reduce(logits.max(dim=1).values, grid, op=dist.ReduceOp.MAX)
-        exp = (logits - row_max.unsqueeze(1)).exp_()
-        mine = (targets >= lo) & (targets < lo + logits.size(1))
+        row_max = all_reduce(logits.max(dim=1).values, grid, op=dist.ReduceOp.MAX)  # (N,)
+        exp = (logits - row_max.unsqueeze(1)).exp_()  # (N, V/t)
+        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is on this rank
         local_t = (targets - lo).masked_fill(~mine, 0)
         target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
-        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid)
+        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid)  # (2, N)
         loss = (stats[0].log() + row_max - stats[1]).mean()
         ctx.save_for_backward(exp.div_(stats[0].unsqueeze(1)), mine, local_t)  # exp becomes the softmax
         return loss
@@ -331,8 +447,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits.mul_(grad / softmax.size(0)), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, targets, grid, vocab_size, lo):
-    logits = logits.float().reshape(-1, logits.size(-1))
+def vocab_parallel_cross_entropy(logits, targets, grid, vocab_size=None, lo=None):
+    """Mean loss from this rank's (..., V/t) slice of any LM head's logits (a ColumnParallelLinear, or
+    the tied wte). Columns at or above vocab_size (padding) are excluded; lo defaults to rank * V/t."""
+    lo = grid.tp_rank * logits.size(-1) if lo is None else lo
+    vocab_size = grid.tp * logits.size(-1) if vocab_size is None else vocab_size
+    logits = logits.float().reshape(-1, logits.size(-1))  # (N, V/t)
     return VocabParallelCrossEntropy.apply(logits, targets.reshape(-1), grid, lo, vocab_size)
 
 
@@ -367,7 +487,7 @@ class TensorParallelGPT(nn.Module):
 
     def head_loss(self, x, targets):
         """Vocab-parallel head and loss: the full (B, T, V) logits are never formed."""
-        logits = F.linear(enter_tp(self.ln_f(x), self.grid), self.wte)  # (B, T, V/t)
+        logits = column_parallel_linear(enter_tp(self.ln_f(x), self.grid), self.wte, None, self.grid)  # (B, T, V/t)
         return vocab_parallel_cross_entropy(logits, targets, self.grid, self.config.vocab_size,
                                             vocab_range(self.config, self.grid)[0])
 
@@ -417,84 +537,16 @@ def clip_grad_norm(model, grid, max_norm):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Closed forms: bytes per step and activation memory
+# Training: gpt2.py train's loop on the TP model, then the grid's gradient sync and the global clip
 
 
-def comm_bytes_closed_form(cfg, args, grid, act_bytes, n_local_params):
-    """Bytes one rank sends per optimizer step (ring algorithms, as gpt2.CommMeter counts them).
-    Per micro-step: 4 all-reduces of a (B,T,E) activation per block (f and g, forward and backward), one
-    for the embedding (fp32), one for the head input, and the loss statistics (N fp32 maxima, then 2N).
-    With SP each all-reduce becomes an all-gather plus a reduce-scatter: the same bytes, plus 2 all-gathers
-    per block in backward to rebuild the column-parallel matmuls' inputs. Activation
-    checkpointing recomputes a block only up to its last saved tensor (the MLP's c_proj input), so the
-    MLP's g is not repeated: 1 extra all-reduce per block, or 3 half-size ops with SP. Per step: the SP
-    grads over TP, every grad over DP, the grad norm and the loss."""
-    t, d, E, L = grid.tp, grid.dp, cfg.n_embd, cfg.n_layer
-    ar = lambda nbytes, n: 2 * (n - 1) / n * nbytes
-    N = args.batch_size * args.seq_len
-    recompute = (1.5 if grid.sequence_parallel else 1.0) if args.activation_checkpointing else 0.0
-    regather = 1.0 if grid.sequence_parallel else 0.0  # c_attn's and c_fc's inputs, gathered again
-    per_layer = (4 + regather + recompute) * ar(N * E * act_bytes, t)
-    micro = L * per_layer + ar(N * E * 4, t) + ar(N * E * act_bytes, t) + ar(N * 4, t) + ar(2 * N * 4, t)
-    replicated = L * 6 * E + 2 * E + cfg.block_size * E  # LayerNorm gains/biases, row-parallel biases, wpe
-    sp = ar(replicated * 4, t) if grid.sequence_parallel else 0.0
-    return args.grad_accum * micro + sp + ar(n_local_params * 4, d) + ar(4, t) + ar(4, d)
-
-
-def saved_activation_bytes(model, idx, targets):
-    """Bytes of the tensors autograd keeps for backward during one forward (parameters excluded, views
-    of one storage counted once), as (embedding + blocks, head + loss): a micro-step's activations."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept = [{}, {}]
-
-    def measure(part):
-        def pack(t):
-            s = t.untyped_storage()
-            if s.data_ptr() not in params:
-                kept[part][s.data_ptr()] = s.nbytes()
-            return t
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-    with measure(0):
-        x = model.forward_blocks(model.embed(idx))
-    with measure(1):
-        loss = model.head_loss(x, targets)
-    del x, loss
-    return sum(kept[0].values()), sum(kept[1].values())
-
-
-# ----------------------------------------------------------------------------------------------------
-# Training
-
-
-def validate(args, cfg, world):
-    """Every size problem becomes an error before the first collective."""
-    gpt2.check_args(args)
-    tp = args.tp or world
-    if tp < 1 or world % tp:
-        gpt2.fail(f"--tp {tp} does not divide the {world} ranks", "--tp", "give a divisor of the world size")
-    if cfg.n_head % tp:
-        gpt2.fail(f"{cfg.n_head} heads cannot be split over {tp} ranks", "--tp/--n-head",
-                  "give a --tp that divides the number of heads (GPT-2 124M: 1, 2, 3, 4, 6 or 12)")
-    if cfg.padded_vocab % tp:
-        gpt2.fail(f"the padded vocabulary {cfg.padded_vocab} is not divisible by {tp}", "--tp",
-                  "give a power-of-two --tp (the vocabulary is padded to a multiple of 128)")
-    if args.sequence_parallel and args.seq_len % tp:
-        gpt2.fail(f"--seq-len {args.seq_len} is not divisible by --tp {tp}", "--sequence-parallel",
-                  "give a --seq-len divisible by --tp, or drop --sequence-parallel")
-    return tp
-
-
-def main(argv=None):
-    p = gpt2.make_parser("Megatron tensor parallelism (x data parallelism) for GPT-2.")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks per model (default: all); DP = world / tp")
-    p.add_argument("--sequence-parallel", action="store_true", help="shard LayerNorm/residual activations along the sequence")
-    args = p.parse_args(argv)
+def train(args):
+    """args.tp already checked (see validate). One TP x DP grid, the full model built identically on every
+    rank (same seed) and cut, gpt2's data, AdamW and LR schedule; the gathered model saved in gpt2's layout."""
     world = int(os.environ.get("WORLD_SIZE", 1))
-    args.tp = validate(args, gpt2.model_config(args), world)
     own_group = not dist.is_initialized()  # a caller (tests) may have started the process group
     ctx = gpt2.setup(args)
-    grid = make_grid(ctx.world, ctx.rank, args.tp, args.sequence_parallel)
+    grid = make_grid(ctx.world, ctx.rank, args.tp, args.sequence_parallel, args.overlap_comm)
     full = gpt2.build_model(args)
     cfg = full.config
     validate(args, cfg, world)  # --init-from brings its own config
@@ -503,29 +555,19 @@ def main(argv=None):
     del full
     train_loader, val_loader = gpt2.make_loaders(args, grid.dp_rank, grid.dp, vocab_size=cfg.vocab_size)
     opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
-    if args.compile:  # the local math only: the collectives sit between the compiled pieces
-        for b in model.h:
-            b.attn.compile()
-            b.mlp.compile()
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * grid.dp
     metrics = gpt2.Metrics(args, ctx, cfg, n_params, tokens_per_step)
     profiler = gpt2.Profiler(args, ctx)
     n_local = sum(p.numel() for p in model.parameters())
-    act_bytes = torch.finfo(ctx.dtype).bits // 8
-    expected_mb = comm_bytes_closed_form(cfg, args, grid, act_bytes, n_local) / 1e6
+    expected_mb = comm_bytes_closed_form(cfg, args, grid, torch.finfo(ctx.dtype).bits // 8, n_local) / 1e6
     gpt2.print0(f"model {args.model}: {n_params / 1e6:.2f}M non-embedding params | grid TP={grid.tp} x DP={grid.dp}"
-                f"{' + SP' if args.sequence_parallel else ''} | {n_local / 1e6:.2f}M params on this rank | {ctx.device} {ctx.dtype}")
-
-    probe = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len),
-                          generator=torch.Generator().manual_seed(0)).to(ctx.device)
-    for sp in [False] + ([True] if grid.tp > 1 and args.seq_len % grid.tp == 0 else []):
-        grid.sequence_parallel = sp
-        with ctx.autocast():
-            blocks, head = saved_activation_bytes(model, probe, probe)
-        gpt2.print0(f"activation memory per rank, one micro-batch, {'with' if sp else 'without'} sequence parallelism: "
-                    f"{blocks / 1e6:.2f} MB embedding + blocks, {head / 1e6:.2f} MB head + loss")
-    grid.sequence_parallel = args.sequence_parallel
-    grid.meter.take_mb()
+                f"{' + SP' if args.sequence_parallel else ''}{' + overlap' if args.overlap_comm else ''} | "
+                f"{n_local / 1e6:.2f}M params on this rank | {ctx.device} {ctx.dtype}")
+    print_activation_memory(model, grid, args, ctx)  # eager, before compiling (see there)
+    if args.compile:  # the local math only: the collectives sit between the compiled pieces
+        for b in model.h:
+            b.attn.compile()
+            b.mlp.compile()
 
     def loss_fn(x, y):
         with ctx.autocast():
@@ -560,6 +602,103 @@ def main(argv=None):
     gpt2.print0(f"saved {args.out}/model.pt (gathered, gpt2 layout) and {args.out}/loss.png")
     if own_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ====================================================================================================
+# Appendix: closed forms and measurement, argument checks, command line
+# ====================================================================================================
+
+
+
+
+def comm_bytes_closed_form(cfg, args, grid, act_bytes, n_local_params):
+    """Bytes one rank sends per optimizer step (ring algorithms, as gpt2.CommMeter counts them).
+    Per micro-step: 4 all-reduces of a (B,T,E) activation per block (f and g, forward and backward), one
+    for the embedding (fp32), one for the head input, and the loss statistics (N fp32 maxima, then 2N).
+    With SP each all-reduce becomes an all-gather plus a reduce-scatter: the same bytes, plus 2 all-gathers
+    per block and 1 for the head in backward to rebuild the column-parallel matmuls' inputs. Activation
+    checkpointing recomputes a block only up to its last saved tensor (the MLP's c_proj input), so the
+    MLP's g is not repeated: 1 extra all-reduce per block, or 3 half-size ops with SP. Per step: the SP
+    grads over TP, every grad over DP, the grad norm and the loss."""
+    t, d, E, L = grid.tp, grid.dp, cfg.n_embd, cfg.n_layer
+    ar = lambda nbytes, n: 2 * (n - 1) / n * nbytes
+    N = args.batch_size * args.seq_len
+    recompute = (1.5 if grid.sequence_parallel else 1.0) if args.activation_checkpointing else 0.0
+    regather = 1.0 if grid.sequence_parallel else 0.0  # c_attn's and c_fc's inputs, gathered again
+    per_layer = (4 + regather + recompute) * ar(N * E * act_bytes, t)
+    head = (1 + regather / 2) * ar(N * E * act_bytes, t)  # f before the head (+ its re-gather with SP)
+    micro = L * per_layer + ar(N * E * 4, t) + head + ar(N * 4, t) + ar(2 * N * 4, t)
+    replicated = L * 6 * E + 2 * E + cfg.block_size * E  # LayerNorm gains/biases, row-parallel biases, wpe
+    sp = ar(replicated * 4, t) if grid.sequence_parallel else 0.0
+    return args.grad_accum * micro + sp + ar(n_local_params * 4, d) + ar(4, t) + ar(4, d)
+
+
+def saved_activation_bytes(model, idx, targets):
+    """Bytes of the tensors autograd keeps for backward during one forward (parameters excluded, views
+    of one storage counted once), as (embedding + blocks, head + loss): a micro-step's activations.
+    Also returns the loss, so a caller may go on to backward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = [{}, {}]
+
+    def measure(part):
+        def pack(t):
+            s = t.untyped_storage()
+            if s.data_ptr() not in params:
+                kept[part][s.data_ptr()] = s.nbytes()
+            return t
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    with measure(0):
+        x = model.forward_blocks(model.embed(idx))
+    with measure(1):
+        loss = model.head_loss(x, targets)
+    return sum(kept[0].values()), sum(kept[1].values()), loss
+
+def print_activation_memory(model, grid, args, ctx):
+    """Print the activation bytes of one micro-batch, without and with sequence parallelism. Runs eagerly
+    before train compiles anything: under --compile, probing both modes inside the compiled modules cost
+    3 recompiles and a graph break before step 0. The probe's collectives are not counted."""
+    probe = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len),
+                          generator=torch.Generator().manual_seed(0)).to(ctx.device)
+    for sp in [False] + ([True] if grid.tp > 1 and args.seq_len % grid.tp == 0 else []):
+        grid.sequence_parallel = sp
+        with ctx.autocast():
+            blocks, head, _ = saved_activation_bytes(model, probe, probe)
+        gpt2.print0(f"activation memory per rank, one micro-batch, {'with' if sp else 'without'} sequence parallelism: "
+                    f"{blocks / 1e6:.2f} MB embedding + blocks, {head / 1e6:.2f} MB head + loss")
+    grid.sequence_parallel = args.sequence_parallel
+    grid.meter.take_mb()
+
+
+
+
+def validate(args, cfg, world):
+    """Every size problem becomes an error before the first collective."""
+    gpt2.check_args(args)
+    tp = args.tp or world
+    if tp < 1 or world % tp:
+        gpt2.fail(f"--tp {tp} does not divide the {world} ranks", "--tp", "give a divisor of the world size")
+    if cfg.n_head % tp:
+        gpt2.fail(f"{cfg.n_head} heads cannot be split over {tp} ranks", "--tp/--n-head",
+                  "give a --tp that divides the number of heads (GPT-2 124M: 1, 2, 3, 4, 6 or 12)")
+    if cfg.padded_vocab % tp:
+        gpt2.fail(f"the padded vocabulary {cfg.padded_vocab} is not divisible by {tp}", "--tp",
+                  "give a power-of-two --tp (the vocabulary is padded to a multiple of 128)")
+    if args.sequence_parallel and args.seq_len % tp:
+        gpt2.fail(f"--seq-len {args.seq_len} is not divisible by --tp {tp}", "--sequence-parallel",
+                  "give a --seq-len divisible by --tp, or drop --sequence-parallel")
+    return tp
+
+
+def main(argv=None):
+    p = gpt2.make_parser("Megatron tensor parallelism (x data parallelism) for GPT-2.")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks per model (default: all); DP = world / tp")
+    p.add_argument("--sequence-parallel", action="store_true", help="shard LayerNorm/residual activations along the sequence")
+    p.add_argument("--overlap-comm", action="store_true",
+                   help="in backward, run the column-parallel matmuls' dX all-reduce (SP: the input re-gather) under a matmul")
+    args = p.parse_args(argv)
+    args.tp = validate(args, gpt2.model_config(args), int(os.environ.get("WORLD_SIZE", 1)))
+    train(args)
 
 
 if __name__ == "__main__":
