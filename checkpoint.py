@@ -74,7 +74,8 @@ class Zero1:
         self.n_decay = sum(p.numel() for _, p in named if p.dim() >= 2)
         self.shard = -(-self.numel // self.world)  # ceil: pad so every rank holds an equal slice
         if (self.world - 1) * self.shard >= self.numel:  # same verdict on every rank: no hang
-            raise ValueError(f"{self.world} ranks for {self.numel} parameters: the last rank would hold nothing")
+            gpt2.fail(f"{self.world} ranks for {self.numel} parameters: the last rank would hold nothing",
+                      "--nproc_per_node", "use fewer ranks or a larger model")
         self.flat = torch.zeros(self.shard * self.world, device=ctx.device, dtype=torch.float32)
         self.grad = torch.zeros_like(self.flat)
         self.layout, off = [], 0
@@ -140,7 +141,19 @@ DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.uint8: "U8"}
 
 
 class CorruptCheckpoint(Exception):
-    pass
+    """A shard whose size or CRC-32 differs from the manifest's, or a malformed manifest: the only two
+    verdicts that make a checkpoint unusable. It is then renamed aside (step_N.corrupt), never deleted."""
+
+
+class Uncommitted(Exception):
+    """A step directory without manifest.json: a save that never finished. Skipped and left in place."""
+
+
+class Unreadable(Exception):
+    """An OSError that outlived READ_TRIES: the filesystem's fault, not the checkpoint's. The run stops."""
+
+
+READ_TRIES, READ_BACKOFF_S = 3, 0.5  # a shared filesystem's hiccups (failover, stale handle) pass in seconds
 
 
 def fsync_dir(path):
@@ -152,7 +165,9 @@ def fsync_dir(path):
 
 
 def write_shard(path, tensors, meta):
-    """Write CPU tensors to path (via path.tmp + fsync + rename) and return (bytes, crc32)."""
+    """Write CPU tensors to path (via path.tmp + fsync + rename + fsync of the directory) and return
+    (bytes, crc32). Every rank does all of it before it reports its shard durable: on a multi-node
+    filesystem rank 0's fsync of the directory says nothing about another node's rename."""
     header, off = {"__metadata__": {k: json.dumps(v) for k, v in meta.items()}}, 0
     for k, t in tensors.items():
         header[k] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + t.numel() * t.element_size()]}
@@ -169,17 +184,35 @@ def write_shard(path, tensors, meta):
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
+    fsync_dir(os.path.dirname(path))
     return size, crc
+
+
+def read_bytes(path):
+    with open(path, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        f.readinto(data)  # straight into a writable buffer: no extra copy for frombuffer
+    return data
+
+
+def read_with_retries(path):
+    """read_bytes, retried with backoff. An OSError is never evidence of corruption (a checksum is):
+    when it persists the caller stops the run and leaves every checkpoint where it is."""
+    for attempt in range(READ_TRIES):
+        try:
+            return read_bytes(path)
+        except OSError as e:
+            if attempt + 1 == READ_TRIES:
+                raise Unreadable(f"{path}: {e.strerror or e} after {READ_TRIES} tries") from None
+            wait = READ_BACKOFF_S * 2 ** attempt
+            print(f"[rank {os.environ.get('RANK', 0)}] reading {path} failed ({e.strerror or e}); retrying in {wait:g} s",
+                  flush=True)
+            time.sleep(wait)
 
 
 def read_shard(path, nbytes, crc32):
     """Read a whole shard, verify size and checksum, return (tensors, metadata)."""
-    try:
-        with open(path, "rb") as f:
-            data = bytearray(os.fstat(f.fileno()).st_size)
-            f.readinto(data)  # straight into a writable buffer: no extra copy for frombuffer
-    except OSError as e:
-        raise CorruptCheckpoint(f"{path}: {e}") from None
+    data = read_with_retries(path)
     if len(data) != nbytes or zlib.crc32(data) != crc32:
         raise CorruptCheckpoint(f"{path}: size {len(data)} / crc32 {zlib.crc32(data):08x} differ from the "
                                 f"manifest's {nbytes} / {crc32:08x}")
@@ -207,6 +240,23 @@ def list_checkpoints(ckpt_dir):
     return sorted(steps, reverse=True)
 
 
+def list_set_aside(ckpt_dir):
+    """Checkpoints renamed aside as corrupt (step_N.corrupt, step_N.corrupt1, ...)."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and ".corrupt" in d)
+
+
+def set_aside(d):
+    """Rename a corrupt checkpoint out of the way, keeping every byte of it for a post-mortem."""
+    i = 0
+    while os.path.exists(f"{d}.corrupt{i or ''}"):
+        i += 1
+    os.rename(d, f"{d}.corrupt{i or ''}")
+    fsync_dir(os.path.dirname(d))
+    return f"{d}.corrupt{i or ''}"
+
+
 # ----------------------------------------------------------------------------------------------------
 # Save: snapshot to CPU memory, write in a background thread, commit by rank 0's manifest rename
 
@@ -214,17 +264,35 @@ def list_checkpoints(ckpt_dir):
 class AsyncCheckpointer:
     def __init__(self, args, ctx, zero, comm):
         self.args, self.ctx, self.zero, self.comm = args, ctx, zero, comm
-        self.thread, self.error, self.buffers = None, None, None
+        self.thread, self.buffers, self.committed = None, None, None
+        self.error = None  # (step, message, local): local = this rank's own exception, not a peer's
         # the writer thread talks over its own gloo group: collectives on one group must be issued in
         # the same order on every rank, and the training thread's order is not the writer's
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)) if ctx.world > 1 else None
 
-    def wait(self):
+    def failed(self):
+        """Whether a finished background save failed (the training loop all-reduces it with the loss)."""
+        return self.error is not None
+
+    def raise_failure(self):
+        """The one-line error of a failed save, on every rank. The writer's handshake already told every
+        rank that some rank failed; the rank whose own write or commit failed prints why."""
+        self.wait_thread()
+        step, why, local = self.error or ("?", "a peer's save failed", False)
+        last = f"step {self.committed} is the last committed checkpoint" if self.committed else "nothing was committed"
+        gpt2.fail(f"checkpoint save of step {step} failed on rank {self.ctx.rank}: {why}" if local else
+                  f"checkpoint save of step {step} failed: {why}", "--ckpt-dir",
+                  f"{last}; fix {self.args.ckpt_dir} (space, permissions) and relaunch to resume", local=local)
+
+    def wait_thread(self):
         if self.thread is not None:
             self.thread.join()
             self.thread = None
+
+    def wait(self):
+        self.wait_thread()
         if self.error is not None:
-            raise RuntimeError(f"checkpoint writer failed on rank {self.ctx.rank}") from self.error
+            self.raise_failure()
 
     def snapshot(self, opt):
         """Copy this rank's slices to CPU (pinned, reused) buffers. On CUDA the copies are queued on
@@ -256,6 +324,7 @@ class AsyncCheckpointer:
                 "hi": self.zero.hi, "loader": loader.state_dict(), "config": self.zero.config}
         if self.ctx.world > 1:
             self.comm.all_gather(self.ctx.world * 24, self.ctx.world)  # the writer's commit handshake
+            self.comm.broadcast(8, self.ctx.world)  # and rank 0's verdict on the commit
         self.thread = threading.Thread(target=self._write_and_commit, args=(step, tensors, meta, event), daemon=True)
         self.thread.start()
 
@@ -263,38 +332,54 @@ class AsyncCheckpointer:
         ctx, d = self.ctx, step_dir(self.args.ckpt_dir, step)
         name = f"rank{ctx.rank:05d}-of-{ctx.world:05d}.safetensors"
         report = torch.zeros(3, dtype=torch.int64)  # ok flag, byte count, crc32
+        mine = None
         try:
             if event is not None:
                 event.synchronize()
             os.makedirs(d, exist_ok=True)
-            if ctx.master and os.path.exists(os.path.join(d, "manifest.json")):
-                os.remove(os.path.join(d, "manifest.json"))  # a stale commit of a discarded run
+            if os.path.exists(os.path.join(d, "manifest.json")):  # never overwrite a committed checkpoint
+                raise FileExistsError(f"{d} already holds a committed checkpoint; not overwritten")
             report[:] = torch.tensor([1, *write_shard(os.path.join(d, name), tensors, meta)])
+            fsync_dir(self.args.ckpt_dir)  # the step directory's own entry, whichever rank created it
         except BaseException as e:  # still join the handshake below, so no peer waits for us forever
-            self.error = e
+            mine = f"{e.__class__.__name__}: {e}"
         try:
             reports = torch.zeros(ctx.world, 3, dtype=torch.int64)
             if self.group is not None:
                 all_gather_single(reports.view(-1), report, group=self.group)
             else:
                 reports[0] = report
-            if ctx.master and self.error is None:
-                if not bool(reports[:, 0].all()):
-                    raise RuntimeError(f"step {step}: a rank failed to write its shard; not committed")
-                self._commit(step, d, reports, meta["loader"])
-        except BaseException as e:
-            self.error = self.error or e
+            failed = [r for r in range(ctx.world) if not reports[r, 0]]
+            if failed:  # every rank learns it here, so every rank stops at the same step
+                self.error = (step, mine, True) if mine else (step, f"rank(s) {failed} could not write their shard", False)
+                return
+            verdict = torch.ones(1, dtype=torch.int64)
+            if ctx.master:
+                try:
+                    self._commit(step, d, reports, meta["loader"])
+                except BaseException as e:
+                    verdict[0], mine = 0, f"{e.__class__.__name__}: {e}"
+            if self.group is not None:
+                dist.broadcast(verdict, 0, group=self.group)
+            if not verdict[0]:
+                self.error = (step, mine, True) if ctx.master else (step, "rank 0 could not commit the manifest", False)
+                return
+            self.committed = step
+        except BaseException as e:  # the handshake itself failed (a peer died)
+            self.error = (step, f"{e.__class__.__name__}: {e}", True)
 
     def _commit(self, step, d, reports, loader_state):
-        """Rank 0, once every shard is durable: the manifest goes last, by atomic rename."""
-        z, W = self.zero, self.ctx.world
+        """Rank 0, once every shard is durable: the manifest goes last, by atomic rename. It records what
+        a resume must agree with: the model's shape and layout, the LR schedule, the global batch, and
+        where the data loader stands."""
+        z, W, a = self.zero, self.ctx.world, self.args
         shards = []
         for r, (_, nbytes, crc) in enumerate(reports.tolist()):
             shards.append({"file": f"rank{r:05d}-of-{W:05d}.safetensors", "lo": r * z.shard, "hi": min((r + 1) * z.shard, z.numel),
                            "bytes": nbytes, "crc32": crc})
-        a = self.args
-        manifest = {"format": 1, "step": step, "world": W, "numel": z.numel, "config": z.config, "layout": z.layout, "loader": loader_state,
-                    "global_batch": W * a.batch_size * a.grad_accum, "seq_len": a.seq_len, "shards": shards}
+        manifest = {"format": 2, "step": step, "world": W, "numel": z.numel, "config": z.config, "layout": z.layout,
+                    "schedule": {"lr": a.lr, "warmup": a.warmup, "steps": a.steps}, "global_batch": W * a.batch_size * a.grad_accum,
+                    "seq_len": a.seq_len, "loader": loader_state, "shards": shards}
         path = os.path.join(d, "manifest.json")
         with open(path + ".tmp", "w") as f:
             json.dump(manifest, f)
@@ -302,11 +387,11 @@ class AsyncCheckpointer:
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
         fsync_dir(d)
-        fsync_dir(self.args.ckpt_dir)  # and the step directory's own entry
         self.prune(step)
 
     def prune(self, newest):
-        """Keep the last --keep committed checkpoints; drop older ones and uncommitted leftovers."""
+        """Keep the last --keep committed checkpoints; drop older ones and older uncommitted leftovers.
+        Newer directories and the ones set aside as corrupt are never touched."""
         kept = 0
         for s in list_checkpoints(self.args.ckpt_dir):
             committed = os.path.exists(os.path.join(step_dir(self.args.ckpt_dir, s), "manifest.json"))
@@ -317,19 +402,61 @@ class AsyncCheckpointer:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Load: the newest checkpoint that verifies, re-cut to this world's slices
+# Load: the newest checkpoint that verifies, re-cut to this world's slices. A reader never deletes:
+# uncommitted directories are skipped and left, corrupt checkpoints are renamed aside, and an I/O error
+# or a checkpoint of another run's schedule or shape stops the run with every checkpoint in place.
+
+MANIFEST = {"format": int, "step": int, "world": int, "numel": int, "config": dict, "layout": list, "schedule": dict,
+            "global_batch": int, "seq_len": int, "loader": dict, "shards": list}
 
 
-def read_checkpoint(ckpt_dir, step, zero, ctx):
-    """This rank's slices of step `step` (any writer world size). Raises CorruptCheckpoint."""
-    d = step_dir(ckpt_dir, step)
+def read_manifest(d, step):
+    """The manifest of step directory d, checked for shape. Raises Uncommitted, Unreadable, CorruptCheckpoint."""
+    path = os.path.join(d, "manifest.json")
+    if not os.path.exists(path):
+        raise Uncommitted(f"{d}: no manifest.json, the save never committed")
+    data = read_with_retries(path)
     try:
-        with open(os.path.join(d, "manifest.json")) as f:
-            man = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpoint(f"{d}: no readable manifest ({e.__class__.__name__}): never committed") from None
-    if man["layout"] != zero.layout:
-        raise ValueError(f"{d} was written for another model (parameter layout differs): use another --ckpt-dir")
+        man = json.loads(data)
+        for k, kind in MANIFEST.items():
+            if not isinstance(man[k], kind):
+                raise TypeError(f"{k!r} is a {type(man[k]).__name__}")
+        for k in ("lr", "warmup", "steps"):
+            man["schedule"][k] + 0
+        ends = [0]
+        for sh in man["shards"]:
+            if sh["lo"] != ends[-1] or not sh["lo"] <= sh["hi"] or not isinstance(sh["file"], str) or "/" in sh["file"]:
+                raise ValueError(f"shard {sh} does not continue at {ends[-1]}")
+            ends.append(sh["hi"])
+            sh["bytes"] + sh["crc32"]
+        if man["step"] != step or ends[-1] != man["numel"]:
+            raise ValueError(f"step {man['step']} / {ends[-1]} of {man['numel']} parameters covered")
+    except (ValueError, KeyError, TypeError) as e:  # json's errors are ValueErrors
+        raise CorruptCheckpoint(f"{path}: malformed manifest ({e.__class__.__name__}: {e})") from None
+    return man
+
+
+def resume_mismatch(man, args, zero, world):
+    """The flags whose values differ from the checkpoint's: [(flag, theirs, ours)]. A different world
+    size with the same global batch is not among them: that is resharding."""
+    flag_of = {"n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd"}
+    diff = [(flag_of.get(k, "--model"), f"{k}={v}", f"{k}={zero.config.get(k)}")
+            for k, v in man["config"].items() if zero.config.get(k) != v]
+    if not diff and man["layout"] != zero.layout:
+        diff.append(("--model", "another parameter layout", "this model's"))
+    ours = {"lr": args.lr, "warmup": args.warmup, "steps": args.steps}
+    diff += [(f"--{k}", man["schedule"][k], v) for k, v in ours.items() if man["schedule"][k] != v]
+    gb = world * args.batch_size * args.grad_accum
+    if man["global_batch"] != gb:
+        diff.append(("--batch-size/--grad-accum", f"global batch {man['global_batch']}",
+                     f"global batch {gb} = {world} ranks x {args.batch_size} x {args.grad_accum}"))
+    if man["seq_len"] != args.seq_len:
+        diff.append(("--seq-len", man["seq_len"], args.seq_len))
+    return diff
+
+
+def read_slices(man, d, zero, ctx):
+    """This rank's slices of a verified manifest's checkpoint (any writer world size)."""
     out = {k: torch.empty(zero.hi - zero.lo) for k in ("params", "exp_avg", "exp_avg_sq")}
     rng = {}
     for r, sh in enumerate(man["shards"]):
@@ -337,45 +464,83 @@ def read_checkpoint(ckpt_dir, step, zero, ctx):
         if a >= b and r != ctx.rank:
             continue  # a shard I need neither for my slice nor for my RNG state
         tensors, meta = read_shard(os.path.join(d, sh["file"]), sh["bytes"], sh["crc32"])
-        if meta["lo"] != sh["lo"] or meta["step"] != step:
+        if meta["lo"] != sh["lo"] or meta["step"] != man["step"]:
             raise CorruptCheckpoint(f"{d}/{sh['file']}: its metadata disagrees with the manifest")
         for k in out:
             if a < b:
                 out[k][a - zero.lo: b - zero.lo] = tensors[k][a - sh["lo"]: b - sh["lo"]]
         if r == ctx.rank:  # a rank of the new world that did not exist in the old keeps its seeded RNG
             rng = {k: tensors[k].clone() for k in ("rng_cpu", "rng_cuda") if k in tensors}
-    return man, out, rng
+    return out, rng
+
+
+OK, UNCOMMITTED, CORRUPT, MISMATCH, UNREADABLE = range(5)  # a rank's verdict on one candidate; worst wins
+
+
+def agree(verdict, ctx):
+    """The worst verdict over the ranks, and the lowest rank that reached it: one all-reduce of
+    verdict * world + (world - 1 - rank), MAX."""
+    if ctx.world == 1:
+        return verdict, ctx.rank
+    t = torch.tensor([verdict * ctx.world + ctx.world - 1 - ctx.rank], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t) // ctx.world, ctx.world - 1 - int(t) % ctx.world
 
 
 def load_latest(args, zero, opt, loader, ctx):
-    """Try the checkpoints newest first; every rank must verify its part of one. Returns its step or 0."""
+    """Try the checkpoints newest first; every rank must verify its part of one. Returns its step, or 0
+    when the directory holds no checkpoint (or none verifies and --allow-fresh-start is given)."""
     if not args.ckpt_dir:
         return 0
-    steps = list_checkpoints(args.ckpt_dir)
+    steps, n_aside = list_checkpoints(args.ckpt_dir), len(list_set_aside(args.ckpt_dir))
     if ctx.world > 1:  # everyone walks rank 0's list, so no rank can disagree on the candidates
-        n = torch.tensor([len(steps)], dtype=torch.int64, device=ctx.device)  # NCCL wants device tensors
+        n = torch.tensor([len(steps), n_aside], dtype=torch.int64, device=ctx.device)  # NCCL wants device tensors
         dist.broadcast(n, 0)
-        if int(n) == 0:
-            return 0
-        t = torch.tensor(steps if ctx.master else [0] * int(n), dtype=torch.int64, device=ctx.device)
-        dist.broadcast(t, 0)
+        n_aside = int(n[1])
+        t = torch.tensor(steps if ctx.master else [0] * int(n[0]), dtype=torch.int64, device=ctx.device)
+        if len(t):
+            dist.broadcast(t, 0)
         steps = t.tolist()
+    corrupt = []
     for step in steps:
+        d = step_dir(args.ckpt_dir, step)
+        verdict, why, diff = OK, "", []
         try:
-            man, slices, rng = read_checkpoint(args.ckpt_dir, step, zero, ctx)
-            ok, why = 1, ""
+            man = read_manifest(d, step)
+            diff = resume_mismatch(man, args, zero, ctx.world)
+            if diff:
+                verdict = MISMATCH
+            else:
+                slices, rng = read_slices(man, d, zero, ctx)
+        except Uncommitted as e:
+            verdict, why = UNCOMMITTED, str(e)
         except CorruptCheckpoint as e:
-            ok, why = 0, str(e)
-        if ctx.world > 1:
-            flag = torch.tensor([ok], dtype=torch.int64, device=ctx.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            ok_all = int(flag)
-        else:
-            ok_all = ok
-        if not ok:
-            print(f"[rank {ctx.rank}] checkpoint step {step} is unusable: {why}", flush=True)
-        if not ok_all:
-            print0(f"skipping checkpoint step {step}; trying the previous one")
+            verdict, why = CORRUPT, str(e)
+        except Unreadable as e:
+            verdict, why = UNREADABLE, str(e)
+        worst, who = agree(verdict, ctx)
+        if worst == UNREADABLE:
+            todo = (f"nothing was moved or deleted; fix the filesystem and relaunch, or move {d} out of "
+                    f"{args.ckpt_dir} to resume from an older checkpoint")
+            if verdict == UNREADABLE:
+                gpt2.fail(f"cannot read checkpoint step {step}: {why}", "--ckpt-dir", todo, local=True)
+            gpt2.fail(f"rank {who} cannot read checkpoint step {step}", "--ckpt-dir", todo)
+        if worst == MISMATCH and verdict != MISMATCH:  # a lagging filesystem: rank 0 may not see it yet
+            gpt2.fail(f"rank {who} found {d} written with other flags", "--ckpt-dir", "compare its manifest.json")
+        if worst == MISMATCH:  # the manifest is one file: every rank found the same differences
+            gpt2.fail(f"{d} was written with {' '.join(f'{f} {a}' for f, a, _ in diff)}, this run has "
+                      f"{' '.join(f'{f} {b}' for f, _, b in diff)}", " ".join(f for f, _, _ in diff),
+                      "resume with the checkpoint's values (a different world size with the same global batch is "
+                      "fine), or give another --ckpt-dir")
+        if worst == UNCOMMITTED:
+            print0(f"checkpoint step {step} was never committed (no manifest.json): skipped, left in place")
+            continue
+        if worst == CORRUPT:
+            if verdict == CORRUPT:
+                print(f"[rank {ctx.rank}] checkpoint step {step} is corrupt: {why}", flush=True)
+            if ctx.master:  # after the all-reduce: no rank still reads it
+                print0(f"checkpoint step {step} renamed aside to {set_aside(d)}; trying the previous one")
+            corrupt.append(step)
             continue
         with torch.no_grad():
             zero.flat[zero.lo: zero.hi].copy_(slices["params"])
@@ -392,19 +557,16 @@ def load_latest(args, zero, opt, loader, ctx):
         if "rng_cuda" in rng and ctx.device.type == "cuda":
             torch.cuda.set_rng_state(rng["rng_cuda"], ctx.device)
         loader.load_state_dict(man["loader"])  # a token offset: valid for any world size
-        gb = ctx.world * args.batch_size * args.grad_accum
         if man["world"] != ctx.world:
             print0(f"resharding: written by {man['world']} ranks, loaded by {ctx.world}")
-        if man["global_batch"] != gb or man["seq_len"] != args.seq_len:
-            print0(f"warning: global batch {man['global_batch']}x{man['seq_len']} -> {gb}x{args.seq_len}: "
-                   f"the run continues, but no longer on the original curve")
-        if ctx.master:  # newer step_* dirs are uncommitted or corrupt: they will be written again
-            for s in list_checkpoints(args.ckpt_dir):
-                if s > step:
-                    print0(f"discarding {step_dir(args.ckpt_dir, s)} (newer than the resumed checkpoint)")
-                    shutil.rmtree(step_dir(args.ckpt_dir, s), ignore_errors=True)
         print0(f"resumed from step {step}")
         return step
+    if corrupt or n_aside:
+        what = f"{len(corrupt) + n_aside} checkpoint(s) in {args.ckpt_dir} are corrupt (renamed aside as *.corrupt)"
+        if not args.allow_fresh_start:
+            gpt2.fail(f"{what} and none verifies", "--ckpt-dir", "inspect them, or pass --allow-fresh-start to "
+                      "train from step 0 (they stay aside), or give another --ckpt-dir")
+        print0(f"{what}; starting from step 0 (--allow-fresh-start)")
     return 0
 
 
@@ -420,6 +582,8 @@ def main(argv=None):
     p.add_argument("--fail-at", type=int, default=-1,
                    help="fault injection for tests: the last rank calls os._exit(1) before this step, on "
                         "torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT=0); -1 = never")
+    p.add_argument("--allow-fresh-start", action="store_true",
+                   help="when --ckpt-dir holds checkpoints and none verifies, train from step 0 instead of stopping")
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 1))
     gpt2.check_args(args)
@@ -434,6 +598,8 @@ def main(argv=None):
             os.makedirs(args.ckpt_dir, exist_ok=True)
         except OSError as e:
             gpt2.fail(f"cannot create {args.ckpt_dir}: {e.strerror}", "--ckpt-dir", "give a writable directory")
+        if int(os.environ.get("RANK", 0)) == 0:  # one run per directory: a second would resume our commits
+            gpt2.lock_dir(args.ckpt_dir, "--ckpt-dir")  # and prune our in-flight saves
 
     own_group = world > 1 and not dist.is_initialized()  # tests may call main() inside their own group
     ctx = gpt2.setup(args)
@@ -445,6 +611,8 @@ def main(argv=None):
     train_loader, val_loader = gpt2.make_loaders(args, ctx.rank, ctx.world, cfg.vocab_size)
     ckpt = AsyncCheckpointer(args, ctx, zero, comm) if args.ckpt_dir else None
     start = load_latest(args, zero, opt, train_loader, ctx)
+    if ckpt:
+        ckpt.committed = start
     if start >= args.steps:
         print0(f"checkpoint at step {start} >= --steps {args.steps}: nothing left to train")
         if own_group:
@@ -476,10 +644,14 @@ def main(argv=None):
         opt.step()
         zero.all_gather_params()
         zero.zero_grad()
-        if ctx.world > 1:
-            dist.all_reduce(loss_sum)
-            comm.all_reduce(4, ctx.world)
-            loss_sum /= ctx.world
+        save_failed = float(bool(ckpt and ckpt.failed()))  # a background save that failed fails this step
+        if ctx.world > 1:  # on every rank at once: it rides on the loss's all-reduce
+            both = torch.stack([loss_sum, torch.tensor(save_failed, device=ctx.device)])
+            dist.all_reduce(both)
+            comm.all_reduce(8, ctx.world)
+            loss_sum, save_failed = both[0] / ctx.world, float(both[1])
+        if save_failed:
+            ckpt.raise_failure()
         loss_val = loss_sum.item()
         gpt2.check_finite(loss_val, step)
         t0 = time.perf_counter()

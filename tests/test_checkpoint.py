@@ -1,12 +1,18 @@
 """checkpoint.py: ZeRO-1 matches gpt2.py, bit-exact resume on 2 ranks, 2 -> 1 resharding, a corrupt
 shard falls back to the previous checkpoint, SIGKILL mid-save leaves a resumable checkpoint, and a
-torchrun --max-restarts job whose worker dies finishes on the uninterrupted curve."""
+torchrun --max-restarts job whose worker dies finishes on the uninterrupted curve. Faults (one process,
+injected by monkeypatching): a locked --ckpt-dir, a read error, corrupt-only, a malformed manifest, a
+changed schedule, a failed background save - each a one-line error or a fallback, no checkpoint lost."""
+import errno
+import json
 import os
+import socket
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 import torch.distributed as dist
@@ -22,6 +28,10 @@ def flags(data, out, batch_size, *extra):
     return ["--data", data, "--n-layer", "2", "--n-embd", "32", "--seq-len", "32", "--steps", str(STEPS),
             "--batch-size", str(batch_size), "--device", "cpu", "--dtype", "float32", "--eval-every", "0", "--warmup", "5", "--lr", "3e-3",
             "--out", out, *extra]
+
+
+def steps_in(ck):
+    return sorted(d for d in os.listdir(ck) if d.startswith("step_"))
 
 
 def _straight_then_resume(rank, world, data, root):
@@ -80,13 +90,15 @@ def test_corrupt_shard_falls_back_and_resharding_2_to_1(straight, shakespeare, t
     out_dir = str(tmp_path / "one_rank")
     checkpoint.main(flags(shakespeare, out_dir, 8, "--ckpt-dir", ck, "--save-every", "5"))
     out = capsys.readouterr().out
-    assert "checkpoint step 25 is unusable" in out and "never committed" in out
-    assert "checkpoint step 20 is unusable" in out and "crc32" in out
+    assert "checkpoint step 25 was never committed (no manifest.json): skipped, left in place" in out
+    assert "checkpoint step 20 is corrupt" in out and "crc32" in out
+    assert f"checkpoint step 20 renamed aside to {ck}/step_000020.corrupt; trying the previous one" in out
     assert "resharding: written by 2 ranks, loaded by 1" in out and "resumed from step 10" in out
     ones = [r for r in read_metrics(out_dir) if "loss" in r]
     assert [r["step"] for r in ones] == list(range(10, STEPS))
     assert max_rel_diff([r["loss"] for r in ones], train_losses(f"{straight}/straight")[10:]) < 1e-5
-    assert sorted(os.listdir(ck)) == ["step_000015", "step_000020"]  # rewritten by 1 rank, older pruned
+    # rewritten by 1 rank, older pruned; the corrupt one kept aside, the uncommitted newer one left in place
+    assert steps_in(ck) == ["step_000015", "step_000020", "step_000020.corrupt", "step_000025"]
     with pytest.raises(ValueError, match="--save-every without a directory"):
         checkpoint.main(flags(shakespeare, out_dir, 8, "--save-every", "2"))
 
@@ -98,7 +110,7 @@ def test_sigkill_while_saving_leaves_a_resumable_checkpoint(straight, shakespear
                               env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                                    "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"}) for r in range(2)]
     def saving():  # a save of step >= 14 has begun (its directory exists) but is not committed yet
-        ds = os.listdir(ck) if os.path.isdir(ck) else []
+        ds = steps_in(ck) if os.path.isdir(ck) else []
         return [d for d in ds if int(d[5:]) >= 14 and not os.path.exists(f"{ck}/{d}/manifest.json")]
 
     try:
@@ -111,14 +123,15 @@ def test_sigkill_while_saving_leaves_a_resumable_checkpoint(straight, shakespear
             p.send_signal(signal.SIGKILL)
         for p in procs:
             p.wait()
-    committed = [int(d[5:]) for d in os.listdir(ck) if os.path.exists(f"{ck}/{d}/manifest.json")]
-    uncommitted = [int(d[5:]) for d in os.listdir(ck) if int(d[5:]) > max(committed)]
+    committed = [int(d[5:]) for d in steps_in(ck) if os.path.exists(f"{ck}/{d}/manifest.json")]
+    uncommitted = [int(d[5:]) for d in steps_in(ck) if int(d[5:]) > max(committed)]
     assert 12 <= max(committed) < STEPS
     out_dir = str(tmp_path / "killed")
     checkpoint.main(flags(shakespeare, out_dir, 8, "--ckpt-dir", ck))  # resume on 1 rank, same --out
     out = capsys.readouterr().out
     assert f"resumed from step {max(committed)}" in out
-    assert all(f"discarding {ck}/step_{s:06d}" in out for s in uncommitted)
+    assert all(f"checkpoint step {s} was never committed (no manifest.json): skipped, left in place" in out
+               and os.path.isdir(f"{ck}/step_{s:06d}") for s in uncommitted)  # a resume never removes newer ones
     after = train_losses(out_dir)
     assert len(after) == STEPS  # the killed run's steps before the checkpoint, then ours
     assert max_rel_diff(after[max(committed):], train_losses(f"{straight}/straight")[max(committed):]) < 1e-5
@@ -137,3 +150,139 @@ def test_torchrun_max_restarts_after_a_worker_dies(straight, shakespeare, tmp_pa
     assert "resumed from step 12" in log or "resumed from step 8" in log, log[-3000:]
     losses = train_losses(out_dir)
     assert losses == train_losses(f"{straight}/straight")  # all 20 steps, bit-exact, final loss included
+
+
+# ----------------------------------------------------------------------------------------------------
+# Faults, one process, through the real entry point (gpt2.run_main: one line on stderr, exit 2)
+
+
+def cli(argv, capsys):
+    """checkpoint.py's command line in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        gpt2.run_main(checkpoint.main, argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def tree(ck):
+    """Every file under ck with its size and CRC-32: what 'left in place' means."""
+    return {os.path.relpath(os.path.join(d, f), ck): (os.path.getsize(os.path.join(d, f)),
+            zlib.crc32(open(os.path.join(d, f), "rb").read())) for d, _, fs in os.walk(ck) for f in fs if f != "LOCK"}
+
+
+def test_a_locked_ckpt_dir_is_refused(shakespeare, tmp_path, capsys):
+    ck, host = str(tmp_path / "ck"), socket.gethostname()
+    os.makedirs(f"{ck}/step_000005")  # the holder's in-flight save
+    holder = subprocess.Popen(["sleep", "60"])  # a live process that holds the directory
+    try:
+        with open(f"{ck}/LOCK", "w") as f:
+            f.write(f"{host} {holder.pid}")
+        code, out, err = cli(flags(shakespeare, str(tmp_path / "out"), 8, "--ckpt-dir", ck, "--save-every", "5"), capsys)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 2 and err == (f"error: {ck} is in use by another run (pid {holder.pid} on {host}) (--ckpt-dir): wait "
+                                 f"for it to finish or choose another --ckpt-dir; remove {ck}/LOCK if that run is gone\n")
+    assert sorted(os.listdir(ck)) == ["LOCK", "step_000005"] and os.listdir(f"{ck}/step_000005") == []
+
+
+def test_a_read_error_is_retried_then_stops_the_run_with_every_checkpoint_in_place(straight, shakespeare, tmp_path,
+                                                                                 capsys, monkeypatch):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(f"{straight}/ck_straight", ck)
+    before = tree(ck)
+    monkeypatch.setattr(checkpoint, "READ_BACKOFF_S", 0.01)
+    real, calls = checkpoint.read_bytes, []
+
+    def flaky(path, fail_times):  # EIO on step 20's second shard, the first fail_times reads
+        if "step_000020/rank00001" in path and len(calls) < fail_times:
+            calls.append(path)
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path)
+
+    monkeypatch.setattr(checkpoint, "read_bytes", lambda path: flaky(path, 99))
+    code, out, err = cli(flags(shakespeare, str(tmp_path / "out"), 8, "--ckpt-dir", ck), capsys)
+    shard = f"{ck}/step_000020/rank00001-of-00002.safetensors"
+    assert code == 2 and len(calls) == 3 and out.count("retrying") == 2
+    assert err == (f"error: cannot read checkpoint step 20: {shard}: Input/output error after 3 tries (--ckpt-dir): "
+                   f"nothing was moved or deleted; fix the filesystem and relaunch, or move {ck}/step_000020 out of "
+                   f"{ck} to resume from an older checkpoint\n")
+    assert tree(ck) == before  # every checkpoint in place, byte for byte
+    calls.clear()  # a transient error: the second try succeeds and the newest checkpoint is resumed
+    monkeypatch.setattr(checkpoint, "read_bytes", lambda path: flaky(path, 1))
+    code, out, err = cli(flags(shakespeare, str(tmp_path / "out"), 8, "--ckpt-dir", ck), capsys)
+    assert code == 0 and len(calls) == 1 and "resumed from step 20" in out and tree(ck) == before
+
+
+def test_corrupt_only_refuses_a_fresh_start_unless_allowed(straight, shakespeare, tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(f"{straight}/ck_straight/step_000020", f"{ck}/step_000020")
+    shard = f"{ck}/step_000020/rank00000-of-00002.safetensors"
+    with open(shard, "r+b") as f:  # one flipped bit in the tensor data
+        f.seek(os.path.getsize(shard) - 100)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    kept = tree(ck)
+    argv = flags(shakespeare, str(tmp_path / "out"), 8, "--ckpt-dir", ck)
+    refusal = (f"error: 1 checkpoint(s) in {ck} are corrupt (renamed aside as *.corrupt) and none verifies (--ckpt-dir): "
+               f"inspect them, or pass --allow-fresh-start to train from step 0 (they stay aside), or give another --ckpt-dir\n")
+    code, out, err = cli(argv, capsys)
+    assert code == 2 and err == refusal and "crc32" in out
+    assert steps_in(ck) == ["step_000020.corrupt"]  # renamed aside, every byte kept
+    assert tree(ck) == {k.replace("step_000020", "step_000020.corrupt"): v for k, v in kept.items()}
+    assert cli(argv, capsys)[:3:2] == (2, refusal)  # a relaunch does not slip past the evidence
+    code, out, err = cli(argv + ["--allow-fresh-start", "--steps", "3"], capsys)  # nothing left to compare --steps with
+    assert code == 0 and "starting from step 0 (--allow-fresh-start)" in out and steps_in(ck) == ["step_000020.corrupt"]
+    assert max_rel_diff(train_losses(str(tmp_path / "out")), train_losses(f"{straight}/straight")[:3]) < 1e-5
+
+
+def test_a_malformed_manifest_falls_back_to_the_previous_checkpoint(straight, shakespeare, tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(f"{straight}/ck_straight", ck)
+    with open(f"{ck}/step_000020/manifest.json") as f:
+        man = json.load(f)
+    del man["layout"]
+    with open(f"{ck}/step_000020/manifest.json", "w") as f:
+        json.dump(man, f)
+    code, out, err = cli(flags(shakespeare, str(tmp_path / "out"), 8, "--ckpt-dir", ck), capsys)
+    assert code == 0 and err == ""
+    assert f"{ck}/step_000020/manifest.json: malformed manifest (KeyError: 'layout')" in out
+    assert "renamed aside" in out and "resumed from step 10" in out
+    assert steps_in(ck) == ["step_000010", "step_000020.corrupt"]
+    assert len(train_losses(str(tmp_path / "out"))) == 10  # steps 10..19 trained again
+
+
+def test_a_changed_schedule_or_batch_is_refused_on_resume(straight, shakespeare, tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(f"{straight}/ck_straight", ck)
+    before, out_dir = tree(ck), str(tmp_path / "out")
+    todo = "resume with the checkpoint's values (a different world size with the same global batch is fine), or give another --ckpt-dir"
+    code, _, err = cli(flags(shakespeare, out_dir, 8, "--ckpt-dir", ck, "--lr", "1e-3"), capsys)
+    assert code == 2 and err == f"error: {ck}/step_000020 was written with --lr 0.003, this run has --lr 0.001 (--lr): {todo}\n"
+    code, _, err = cli(flags(shakespeare, out_dir, 8, "--ckpt-dir", ck, "--steps", "30", "--warmup", "2"), capsys)
+    assert code == 2 and err.startswith(f"error: {ck}/step_000020 was written with --warmup 5 --steps 20, this run has "
+                                        f"--warmup 2 --steps 30 (--warmup --steps): ")
+    code, _, err = cli(flags(shakespeare, out_dir, 4, "--ckpt-dir", ck), capsys)
+    assert code == 2 and "global batch 8, this run has --batch-size/--grad-accum global batch 4 = 1 ranks x 4 x 1" in err
+    code, _, err = cli(flags(shakespeare, out_dir, 8, "--ckpt-dir", ck, "--n-embd", "64"), capsys)
+    assert code == 2 and "written with --n-embd n_embd=32, this run has --n-embd n_embd=64 (--n-embd)" in err
+    assert tree(ck) == before
+
+
+def test_a_failed_background_save_fails_the_next_step(shakespeare, tmp_path, capsys, monkeypatch):
+    def no_space(path, tensors, meta):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "write_shard", no_space)
+    ck = str(tmp_path / "ck")
+    code, out, err = cli(flags(shakespeare, str(tmp_path / "out"), 8, "--ckpt-dir", ck, "--save-every", "1",
+                               "--steps", "4"), capsys)
+    assert code == 2 and err == ("error: checkpoint save of step 1 failed on rank 0: OSError: [Errno 28] No space left on "
+                                 f"device (--ckpt-dir): nothing was committed; fix {ck} (space, permissions) and "
+                                 "relaunch to resume\n")
+    assert len(train_losses(str(tmp_path / "out"))) <= 2  # stopped at step 1 or, if the writer was slow, step 2
