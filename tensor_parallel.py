@@ -315,7 +315,8 @@ class LinearOverlapAllReduce(torch.autograd.Function):
         off (F.linear, then CopyToTP):  dX = dY W ; dW = dY^T X, db ; all-reduce dX          (in a row)
         on  (this Function):            dX = dY W ; all-reduce dX ......... wait ; return
                                                     dW = dY^T X, db
-    The same matmuls on the same tensors: the gradients are bit-identical to off."""
+    The same products in a different order: the gradients are bit-identical to off (the test checks it,
+    fp32 on CPU)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, grid):
