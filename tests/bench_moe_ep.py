@@ -7,7 +7,6 @@ functional all_to_all_single_autograd, then tokens/s of expert parallelism (EP=2
     python tests/bench_moe_ep.py --per-rank-124m    # GPT-2 124M MoE at 8 ranks: bytes and memory per rank (CPU, ~1 min)
 """
 import argparse
-import gc
 import os
 import statistics
 import sys
@@ -121,8 +120,6 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024, probe_tokens=128) -> lis
                                 f"1x{probe_tokens} tokens, token bytes and activations scaled to {batch_size}x{seq_len}"})
         for r in rows:  # the dispatch moves no persistent tensor: one model, one optimizer, the same memory
             r.update(params_MB=params, grads_MB=grads, optim_MB=optim, mem_MB_closed=16 * closed_params / 1e6)
-        del model, opt
-        gc.collect()
         return rows
     finally:
         dist.all_to_all_single = real_a2a
