@@ -55,7 +55,9 @@ Launch:
 Equivalence: in fp32 and dropless (--capacity-factor 0) every --ep x data-parallel layout with the same
 global batch reproduces the 1-process loss curve step by step (tests/test_moe_ep.py); in bf16, EP=2 stays
 within 2e-6 of its one-rank bf16 run; --compile (attention whole, experts with dynamic shapes) equals eager.
-Sampling: this file writes no model.pt (its experts live on different ranks); gpt2.py sample cannot load one.
+Sampling: train() all-gathers every layer's experts over the EP group and writes OUT/model.pt with all E of
+them; gpt2.py's loaders build a dense GPT-2 and cannot read it, so this file samples it itself:
+    python moe_ep.py sample --init-from out/model.pt --prompt "Hello"    # one process, dropless (load_moe)
 
 References: Shazeer et al. 2017 (sparsely-gated MoE); Lepikhin et al. 2020, GShard sec. 2.2 (capacity,
 top-2, all-to-all dispatch); Fedus et al. 2021, Switch Transformer sec. 2.2 (capacity factor, aux loss);
@@ -66,8 +68,10 @@ Uses from gpt2.py: build_model (the dense GPT-2 whose MLPs become MoE layers), M
 optimizer_groups / make_adamw / set_lr, evaluate, make_parser / check_args / fail / setup / run_main, CommMeter,
 Metrics, Profiler.
 """
+import argparse
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -635,11 +639,35 @@ def train(argv=None):
             model.train()
             a2a.take_mb(), meter.take_mb()  # validation traffic is not part of a training step
             a2a.seconds = 0.0
+    state = full_state_dict(model, ep_group, ep)  # a collective: every rank takes part, rank 0 writes
+    if ctx.master:
+        moe = {k: getattr(args, k) for k in ("experts", "top_k", "gate", "norm_topk", "shared_expert", "max_ranks_per_token")}
+        torch.save({"config": cfg.__dict__, "moe": {**moe, "route_ranks": ep}, "model": state},
+                   os.path.join(args.out, "model.pt"))
     metrics.plot()
     if ctx.master and loads:
         plot_expert_load(loads, args, os.path.join(args.out, "expert_load.png"))
-        print0(f"wrote {args.out}/loss.png and {args.out}/expert_load.png")
+        print0(f"wrote {args.out}/model.pt, {args.out}/loss.png and {args.out}/expert_load.png "
+               f"(sample: python moe_ep.py sample --init-from {args.out}/model.pt)")
     return metrics.records
+
+
+def full_state_dict(model, ep_group, ep):
+    """The whole MoE's weights, as one process would hold them: each layer's local experts flattened and
+    all-gathered over the EP group, then renamed by their global index (rank r's expert j is r*E/ep + j)."""
+    state = {k: v for k, v in model.state_dict().items() if ".experts." not in k}
+    for i, block in enumerate(model.h):
+        named = list(block.mlp.experts.named_parameters())  # ("0.c_fc.weight", p), ...
+        flat = torch.cat([p.detach().reshape(-1) for _, p in named])
+        parts = [flat]
+        if ep > 1:
+            parts = [torch.empty_like(flat) for _ in range(ep)]
+            dist.all_gather(parts, flat, group=ep_group)
+        for r, part in enumerate(parts):
+            for (name, p), chunk in zip(named, part.split([p.numel() for _, p in named])):
+                j, rest = name.split(".", 1)
+                state[f"h.{i}.mlp.experts.{r * len(block.mlp.experts) + int(j)}.{rest}"] = chunk.view_as(p).clone()
+    return state
 
 
 # ====================================================================================================
@@ -778,5 +806,41 @@ def make_parser():
     return p
 
 
+def load_moe(path, device="cpu"):
+    """OUT/model.pt written by train() -> the MoE GPT-2 in one process (all experts, dropless), for sampling
+    or evaluation. gpt2.load_for_inference builds a dense GPT-2 and cannot read it."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    cfg = gpt2.GPTConfig(**ckpt["config"])
+    model = gpt2.GPT(cfg)
+    moe = ckpt["moe"]
+    args = argparse.Namespace(**moe, ep=1, capacity_factor=0.0, seed=0)
+    for i, block in enumerate(model.h):
+        block.mlp = MoE(cfg, args, i, model.init_weights)
+        block.mlp.route_ranks = moe["route_ranks"]  # node-limited routing keeps the training layout's ranks
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval()
+
+
+def sample(argv):
+    p = argparse.ArgumentParser(prog="moe_ep.py sample", description="Sample text from a model.pt written by moe_ep.py.")
+    p.add_argument("--init-from", default="out/model.pt", help="OUT/model.pt of a moe_ep.py run")
+    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("--num-samples", type=int, default=3, help="how many continuations")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens per continuation")
+    p.add_argument("--seed", type=int, default=42, help="sampling seed")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    a = p.parse_args(argv)
+    if not os.path.exists(a.init_from):
+        gpt2.fail(f"{a.init_from} does not exist", "--init-from", "give the model.pt of a finished moe_ep.py run")
+    torch.manual_seed(a.seed)
+    model, enc = load_moe(a.init_from, a.device), gpt2.get_tokenizer()
+    idx = torch.tensor([enc.encode(a.prompt, allowed_special={"<|endoftext|>"})] * a.num_samples, device=a.device)
+    for row in gpt2.generate(model, idx, a.max_new_tokens).tolist():
+        print(enc.decode(row), "\n" + "-" * 40)
+
+
 if __name__ == "__main__":
-    gpt2.run_main(train)
+    if len(sys.argv) > 1 and sys.argv[1] == "sample":
+        gpt2.run_main(sample, sys.argv[2:])
+    else:
+        gpt2.run_main(train)
