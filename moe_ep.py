@@ -26,21 +26,52 @@ Everything that is not an expert (attention, LayerNorms, embeddings, routers) is
       for softmax routers only; gates: softmax top-k probabilities as they are (sum < 1; --norm-topk
       renormalises them), sigmoid affinities always renormalised over the chosen k (DeepSeek-V3)
 
+DeepSeek-V3's dispatch, each a flag that is off by default (off = the behaviour above, tested):
+    --dispatch rank          one row per (token, destination rank) instead of per chosen expert; the gates
+                             travel with it and the receiver sums its local experts' outputs before the combine
+    --max-ranks-per-token M  node-limited routing (sec. 2.1.2), EP ranks in the role of nodes
+    --seq-aux-coef a         the sequence-wise balance loss (eq. 17-20) beside the batch-wise one
+    --grouped-gemm           local experts as grouped GEMMs (torch._grouped_mm, or one padded bmm)
+    --overlap-shared         the shared expert computes while the dispatch all-to-all is in flight
+
+GPT-2 124M at 8 ranks (tests/bench_moe_ep.py --per-rank-124m), the launch below: 8 experts top-2 + 1 shared
+expert per layer, --ep 8 (one routed expert per rank per layer), B=16, T=1024, bf16:
+    params/rank   181.2M = 124.5M (GPT-2) + 12 layers x (1 routed + 1 shared - 1 dense MLP) x 4.72M + 12 x 8 x 768
+                  (router); the whole model holds 578M, a token uses 124.5M + 12 x 2 x 4.72M = 237.8M of them
+    memory/rank   params 724.9 + grads 724.9 + AdamW 1449.8 = 2899.5 MB = 16 B x 181.2M (measured = closed form);
+                  ddp.py's 124M: 1991.6 MB. Activations saved for backward 16.1 GB (17.3 GB with --dispatch rank)
+    bytes/step    all-to-all 2114 MB = 4 exchanges x 12 layers x 16384 tokens x 2 choices x 7/8 remote x 768 x 2 B
+                  (uniform routing) + dense all-reduce 872 MB = 2 x 7/8 x 4 B x 124.55M: closed form 2986 MB,
+                  measured 2846 MB (rank 0's routing at init sends 93% of the uniform remote share); ddp.py: 871 MB.
+    --dispatch rank saves nothing here: with one expert per rank a token's 2 experts always sit on 2 ranks,
+    and each row carries 9 more bytes (gates + flags): closed form 2989 MB. It pays when a rank holds
+    several experts (tests: 4 experts on 2 ranks, 3706 vs 4368 bytes per layer step at rank 0).
+
 Launch:
     python moe_ep.py --experts 4 --top-k 2                                      # 1 process, all experts
     torchrun --nproc_per_node=2 moe_ep.py --ep 2 --batch-size 4 --experts 4     # same run, 2 EP ranks
     torchrun --nproc_per_node=8 moe_ep.py --model gpt2 --ep 8 --experts 8 --top-k 2 --gate sigmoid \
         --balance bias --shared-expert --data data/fineweb10B --batch-size 16 --compile
 Equivalence: in fp32 and dropless (--capacity-factor 0) every --ep x data-parallel layout with the same
-global batch reproduces the 1-process loss curve step by step (tests/test_moe_ep.py).
+global batch reproduces the 1-process loss curve step by step (tests/test_moe_ep.py); in bf16, EP=2 stays
+within 2e-6 of its one-rank bf16 run; --compile (attention whole, experts with dynamic shapes) equals eager.
+Sampling: train() all-gathers every layer's experts over the EP group and writes OUT/model.pt with all E of
+them; gpt2.py's loaders build a dense GPT-2 and cannot read it, so this file samples it itself:
+    python moe_ep.py sample --init-from out/model.pt --prompt "Hello"    # one process, dropless (load_moe)
 
 References: Shazeer et al. 2017 (sparsely-gated MoE); Lepikhin et al. 2020, GShard sec. 2.2 (capacity,
 top-2, all-to-all dispatch); Fedus et al. 2021, Switch Transformer sec. 2.2 (capacity factor, aux loss);
 Zoph et al. 2022, ST-MoE (router z-loss); DeepSeek-AI 2024, DeepSeek-V3 sec. 2.1.2 (sigmoid
-gates, auxiliary-loss-free balancing, shared expert); Megatron-LM / torchtitan expert parallelism.
+gates, auxiliary-loss-free balancing, shared expert, node-limited routing, sequence-wise loss), sec. 3.2.2
+(dispatch once per node, combine after local summation); Megatron-LM / torchtitan expert parallelism.
+Uses from gpt2.py: build_model (the dense GPT-2 whose MLPs become MoE layers), MLP, make_loaders,
+optimizer_groups / make_adamw / set_lr, evaluate, make_parser / check_args / fail / setup / run_main, CommMeter,
+Metrics, Profiler.
 """
+import argparse
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -54,15 +85,6 @@ from gpt2 import print0
 
 # ----------------------------------------------------------------------------------------------------
 # Communication: all-to-all with uneven splits, and its gradient
-
-
-class A2AMeter(gpt2.CommMeter):
-    """Bytes (as CommMeter) and wall time of the all-to-alls. With sync=True the CUDA stream is drained
-    around each one so that the time is real (NCCL is asynchronous); that costs overlap, so it is opt-in."""
-
-    def __init__(self, sync=False):
-        super().__init__()
-        self.seconds, self.sync = 0.0, sync
 
 
 class Pending:
@@ -143,7 +165,7 @@ class Plan:
     recv_counts: torch.Tensor  # (ep, E_local): rows from each source rank for each local expert
     expert_rows: list  # rows per local expert, all sources together
     group: object
-    meter: A2AMeter
+    meter: "A2AMeter"
     side: object = None  # what `during` returned (the shared expert's output under --overlap-shared)
     token: torch.Tensor = None  # --dispatch rank: the token of each row sent
 
@@ -162,6 +184,22 @@ def keep_within_capacity(expert_idx, num_experts, capacity):
     return order, routed, kept
 
 
+# Dispatch, worked on 2 ranks: E = 4 experts, rank 0 holds e0 e1, rank 1 holds e2 e3; top-2; rank 0 has N = 3
+# tokens t0 t1 t2 (rank 1 has its own). Rank 0's router picks t0 -> (e2, e0), t1 -> (e1, e2), t2 -> (e3, e0).
+#  1. assignments, choice-major: a0..a2 are the first choices, a3..a5 the second: expert_idx = [2, 1, 3, 0, 2, 0].
+#  2. order = stable argsort by expert = [a3 a5 | a1 | a0 a4 | a2] (e0 | e1 | e2 | e3); the rows to send are
+#     x[order % N] = [t0 t2 | t1 | t0 t1 | t2]. Sorted by expert means sorted by rank: the first 3 rows stay
+#     on rank 0, the last 3 go to rank 1: send_splits = [3, 3].
+#  3. counts exchange: rank 0 sends kept = [2, 1 | 2, 1] (rows for e0 e1 | e2 e3); say rank 1 sends it [1, 0]
+#     for e0 e1. Rank 0 now knows recv_counts = [[2, 1], [1, 0]] (source x local expert), so recv_splits = [3, 1]
+#     and its experts see expert_rows = [3, 1] rows.
+#  4. token exchange: rank 0 receives [t0 t2 t1 | s] (from itself: e0 e0 e1; from rank 1: s for e0), ordered by
+#     source, then expert. run_experts regroups by expert: eid = [0 0 1 0], regroup = argsort(eid) = [0 1 3 2]
+#     -> [t0 t2 s | t1], runs e0 on 3 rows and e1 on 1, and puts the outputs back in received order with the
+#     inverse permutation argsort(regroup).
+#  5. combine: the reverse exchange (splits swapped) returns to rank 0 its 6 rows in `order`; index_copy
+#     writes row i to assignment order[i], so y.view(k, N, D)[c, t] is token t's c-th expert output, which the
+#     gates weight and sum. Backward runs the same exchanges with the splits swapped again.
 def dispatch_tokens(x, expert_idx, num_experts, capacity, group, meter, during=None):
     """x: (N, D) this rank's tokens; expert_idx: (k*N,) the expert of each assignment, assignment a being
     token a % N (choice-major: all first choices, then all second choices). Assignments beyond `capacity`
@@ -453,44 +491,6 @@ def update_bias(moes, load, rate):
         m.bias += rate * torch.sign(l.mean() - l)
 
 
-def a2a_bytes_closed(moes, ep, recompute):
-    """This rank's all-to-all bytes in one micro-step, from what its routing sent. Per layer, with row = D x
-    dtype bytes: the forward sends rows_out token rows away (dispatch) and rows_in back (combine); backward
-    sends their gradients the other way (rows_in + rows_out again); activation checkpointing re-runs the
-    forward, counts exchange included. --dispatch expert: rows are assignments, counts (ep-1) x E/ep int64s.
-    --dispatch rank: rows are (token, rank) pairs, each also carrying E/ep fp32 gates (and their gradients back)
-    and E/ep uint8 choice flags; counts (ep-1) int64s."""
-    if ep == 1:
-        return 0
-    total, fwd_passes = 0, 2 if recompute else 1
-    for m in moes:
-        out, back, row, local = m.stats["rows_out"], m.stats["rows_in"], m.stats["row_bytes"], m.E // ep
-        if m.dispatch == "rank":
-            fwd = out * (row + 5 * local) + back * row + (ep - 1) * 8
-            bwd = out * row + back * (row + 4 * local)
-        else:
-            fwd = (out + back) * row + (ep - 1) * local * 8
-            bwd = (out + back) * row
-        total += fwd_passes * fwd + bwd
-    return total
-
-
-def a2a_bytes_uniform(args, n_tokens, row_bytes, drop=0.0):
-    """a2a_bytes_closed for one layer and one micro-step if routing were uniform (and not node-limited):
-    --dispatch expert: (ep-1)/ep of the kept N*k assignments leave the rank; --dispatch rank: a token goes
-    once to each other rank holding any of its k experts, which happens with chance
-    1 - C(E - E/ep, k) / C(E, k) per rank (1 for E/ep = 1: no saving when every rank holds one expert)."""
-    ep, E, k = args.ep, args.experts, args.top_k
-    if ep == 1:
-        return 0.0
-    fwd_passes, local = (2 if args.activation_checkpointing else 1), E // ep
-    if args.dispatch == "rank":
-        pairs = n_tokens * (1 - drop) * (ep - 1) * (1 - math.comb(E - local, k) / math.comb(E, k))
-        return fwd_passes * (pairs * (2 * row_bytes + 5 * local) + (ep - 1) * 8) + pairs * (2 * row_bytes + 4 * local)
-    rows = n_tokens * k * (1 - drop) * (ep - 1) / ep
-    return fwd_passes * (2 * rows * row_bytes + (ep - 1) * local * 8) + 2 * rows * row_bytes
-
-
 # ----------------------------------------------------------------------------------------------------
 # Model and gradients
 
@@ -552,89 +552,6 @@ def clip_global_grad_norm(dense, experts, max_norm, ep_group, ep, meter):
 
 # ----------------------------------------------------------------------------------------------------
 # Training
-
-
-def make_parser():
-    p = gpt2.make_parser("Train a Mixture-of-Experts GPT-2 with expert parallelism (torchrun for several ranks).")
-    a = p.add_argument
-    a("--ep", type=int, default=1, help="expert-parallel size: experts are split over groups of this many ranks")
-    a("--experts", type=int, default=4, help="routed experts per MoE layer (each shaped as GPT-2's MLP)")
-    a("--top-k", type=int, default=2, help="experts per token")
-    a("--capacity-factor", type=float, default=0.0, help="expert capacity = C*tokens*k/E per rank; 0 = dropless")
-    a("--gate", default="softmax", choices=["softmax", "sigmoid"], help="softmax top-k probabilities, or DeepSeek-V3 sigmoid renormalised over k")
-    a("--shared-expert", action="store_true", help="add one always-on expert per layer (DeepSeek-V3), data parallel")
-    a("--balance", default="aux", choices=["aux", "bias", "none"], help="Switch aux loss, DeepSeek-V3 aux-loss-free bias, or nothing")
-    a("--aux-coef", type=float, default=0.01, help="alpha of the Switch load-balancing loss")
-    a("--norm-topk", action="store_true", help="renormalise softmax gates over the chosen k (Mixtral, DeepSeek-V2); "
-      "sigmoid gates always are")
-    a("--z-loss", type=float, default=None, help="coefficient of the router z-loss (0 = off); default 1e-3 for "
-      "--gate softmax, 0 for sigmoid")
-    a("--bias-rate", type=float, default=1e-3, help="gamma: bias update speed of --balance bias")
-    a("--dispatch", default="expert", choices=["expert", "rank"], help="send a token once per chosen expert, or once "
-      "per destination rank (DeepSeek-V3: the receiver fans out to its local experts and sums)")
-    a("--max-ranks-per-token", type=int, default=0, help="node-limited routing (DeepSeek-V3 sec. 2.1.2): a token's "
-      "experts come from at most M EP ranks; 0 = off")
-    a("--seq-aux-coef", type=float, default=0.0, help="alpha of DeepSeek-V3's sequence-wise balance loss (0 = off)")
-    a("--grouped-gemm", action="store_true", help="run the local experts as grouped GEMMs (torch._grouped_mm where "
-      "available, a batched matmul elsewhere)")
-    a("--overlap-shared", action="store_true", help="compute the shared expert while the dispatch all-to-all is in flight")
-    a("--time-a2a", action="store_true", help="synchronize CUDA around each all-to-all to time it (costs overlap)")
-    return p
-
-
-def check_args(args, world):
-    """Every mistake found before the first collective, so it is an error message and not a hang."""
-    gpt2.check_args(args)
-    if args.experts < 1:
-        gpt2.fail(f"--experts is {args.experts}", "--experts", "give a positive number of experts")
-    if args.experts % args.ep:
-        gpt2.fail(f"{args.experts} experts do not split evenly over {args.ep} ranks", "--experts/--ep",
-                  "give a number of experts divisible by --ep")
-    if not 1 <= args.top_k <= args.experts:
-        gpt2.fail(f"--top-k {args.top_k} is outside [1, {args.experts}]", "--top-k",
-                  "route each token to at least 1 and at most --experts experts")
-    if world % args.ep:
-        gpt2.fail(f"{world} ranks do not form groups of --ep {args.ep}", "--ep", "give a divisor of the world size")
-    if args.norm_topk and args.top_k == 1:
-        gpt2.fail("--norm-topk with --top-k 1 makes every gate 1", "--norm-topk",
-                  "drop --norm-topk or route to --top-k 2 or more (the router would learn from the aux loss only)")
-    if args.z_loss is None:
-        # ST-MoE's z-loss keeps the softmax's logits small, so exp() neither overflows nor rounds the
-        # probabilities away; a sigmoid router has no softmax to protect (DeepSeek-V3 uses none)
-        args.z_loss = 1e-3 if args.gate == "softmax" else 0.0
-    if args.max_ranks_per_token and not 1 <= args.max_ranks_per_token <= args.ep:
-        gpt2.fail(f"--max-ranks-per-token {args.max_ranks_per_token} is outside [1, --ep {args.ep}]",
-                  "--max-ranks-per-token", "give 0 (off) or a number of EP ranks")
-    if args.max_ranks_per_token and args.max_ranks_per_token * (args.experts // args.ep) < args.top_k:
-        gpt2.fail(f"--max-ranks-per-token {args.max_ranks_per_token} ranks hold {args.max_ranks_per_token * (args.experts // args.ep)}"
-                  f" experts, fewer than --top-k {args.top_k}", "--max-ranks-per-token", "allow more ranks per token")
-    if args.seq_aux_coef < 0:
-        gpt2.fail(f"--seq-aux-coef is {args.seq_aux_coef}", "--seq-aux-coef", "give 0 (off) or a positive coefficient")
-    if args.overlap_shared and not args.shared_expert:
-        gpt2.fail("--overlap-shared without a shared expert to overlap", "--overlap-shared", "add --shared-expert")
-    if args.capacity_factor < 0:
-        gpt2.fail(f"--capacity-factor is {args.capacity_factor}", "--capacity-factor",
-                  "give 0 (dropless) or a positive factor")
-
-
-def plot_expert_load(loads, args, path):
-    """Heatmap: one row per (layer, expert), one column per step, colour = tokens / mean tokens (1 = balanced)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    L, E = len(loads[0]), len(loads[0][0])
-    grid = torch.tensor(loads, dtype=torch.float32).permute(1, 2, 0).reshape(L * E, -1).numpy()
-    fig, ax = plt.subplots(figsize=(7, 1 + 0.22 * L * E))
-    im = ax.imshow(grid, aspect="auto", cmap="magma", interpolation="nearest", vmin=0)
-    for i in range(1, L):
-        ax.axhline(i * E - 0.5, color="white", lw=0.8)
-    ax.set_yticks([i * E + (E - 1) / 2 for i in range(L)], [f"layer {i}" for i in range(L)])
-    ax.set_xlabel("step")
-    ax.set_title(f"expert load (tokens / mean), {E} experts per layer, top-{args.top_k}, balance={args.balance}")
-    fig.colorbar(im, ax=ax, label="load / mean")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def train(argv=None):
@@ -722,12 +639,208 @@ def train(argv=None):
             model.train()
             a2a.take_mb(), meter.take_mb()  # validation traffic is not part of a training step
             a2a.seconds = 0.0
+    state = full_state_dict(model, ep_group, ep)  # a collective: every rank takes part, rank 0 writes
+    if ctx.master:
+        moe = {k: getattr(args, k) for k in ("experts", "top_k", "gate", "norm_topk", "shared_expert", "max_ranks_per_token")}
+        torch.save({"config": cfg.__dict__, "moe": {**moe, "route_ranks": ep}, "model": state},
+                   os.path.join(args.out, "model.pt"))
     metrics.plot()
     if ctx.master and loads:
         plot_expert_load(loads, args, os.path.join(args.out, "expert_load.png"))
-        print0(f"wrote {args.out}/loss.png and {args.out}/expert_load.png")
+        print0(f"wrote {args.out}/model.pt, {args.out}/loss.png and {args.out}/expert_load.png "
+               f"(sample: python moe_ep.py sample --init-from {args.out}/model.pt)")
     return metrics.records
 
 
+def full_state_dict(model, ep_group, ep):
+    """The whole MoE's weights, as one process would hold them: each layer's local experts flattened and
+    all-gathered over the EP group, then renamed by their global index (rank r's expert j is r*E/ep + j)."""
+    state = {k: v for k, v in model.state_dict().items() if ".experts." not in k}
+    for i, block in enumerate(model.h):
+        named = list(block.mlp.experts.named_parameters())  # ("0.c_fc.weight", p), ...
+        flat = torch.cat([p.detach().reshape(-1) for _, p in named])
+        parts = [flat]
+        if ep > 1:
+            parts = [torch.empty_like(flat) for _ in range(ep)]
+            dist.all_gather(parts, flat, group=ep_group)
+        for r, part in enumerate(parts):
+            for (name, p), chunk in zip(named, part.split([p.numel() for _, p in named])):
+                j, rest = name.split(".", 1)
+                state[f"h.{i}.mlp.experts.{r * len(block.mlp.experts) + int(j)}.{rest}"] = chunk.view_as(p).clone()
+    return state
+
+
+# ====================================================================================================
+# Appendix: measurement (all-to-all bytes and time, their closed forms), the expert-load picture,
+# argument checks, the command line
+# ====================================================================================================
+
+
+class A2AMeter(gpt2.CommMeter):
+    """Bytes (as CommMeter) and wall time of the all-to-alls. With sync=True the CUDA stream is drained
+    around each one so that the time is real (NCCL is asynchronous); that costs overlap, so it is opt-in."""
+
+    def __init__(self, sync=False):
+        super().__init__()
+        self.seconds, self.sync = 0.0, sync
+
+
+def a2a_bytes_closed(moes, ep, recompute):
+    """This rank's all-to-all bytes in one micro-step, from what its routing sent. Per layer, with row = D x
+    dtype bytes: the forward sends rows_out token rows away (dispatch) and rows_in back (combine); backward
+    sends their gradients the other way (rows_in + rows_out again); activation checkpointing re-runs the
+    forward, counts exchange included. --dispatch expert: rows are assignments, counts (ep-1) x E/ep int64s.
+    --dispatch rank: rows are (token, rank) pairs, each also carrying E/ep fp32 gates (and their gradients back)
+    and E/ep uint8 choice flags; counts (ep-1) int64s."""
+    if ep == 1:
+        return 0
+    total, fwd_passes = 0, 2 if recompute else 1
+    for m in moes:
+        out, back, row, local = m.stats["rows_out"], m.stats["rows_in"], m.stats["row_bytes"], m.E // ep
+        if m.dispatch == "rank":
+            fwd = out * (row + 5 * local) + back * row + (ep - 1) * 8
+            bwd = out * row + back * (row + 4 * local)
+        else:
+            fwd = (out + back) * row + (ep - 1) * local * 8
+            bwd = (out + back) * row
+        total += fwd_passes * fwd + bwd
+    return total
+
+
+def a2a_bytes_uniform(args, n_tokens, row_bytes, drop=0.0):
+    """a2a_bytes_closed for one layer and one micro-step if routing were uniform (and not node-limited):
+    --dispatch expert: (ep-1)/ep of the kept N*k assignments leave the rank; --dispatch rank: a token goes
+    once to each other rank holding any of its k experts, which happens with chance
+    1 - C(E - E/ep, k) / C(E, k) per rank (1 for E/ep = 1: no saving when every rank holds one expert)."""
+    ep, E, k = args.ep, args.experts, args.top_k
+    if ep == 1:
+        return 0.0
+    fwd_passes, local = (2 if args.activation_checkpointing else 1), E // ep
+    if args.dispatch == "rank":
+        pairs = n_tokens * (1 - drop) * (ep - 1) * (1 - math.comb(E - local, k) / math.comb(E, k))
+        return fwd_passes * (pairs * (2 * row_bytes + 5 * local) + (ep - 1) * 8) + pairs * (2 * row_bytes + 4 * local)
+    rows = n_tokens * k * (1 - drop) * (ep - 1) / ep
+    return fwd_passes * (2 * rows * row_bytes + (ep - 1) * local * 8) + 2 * rows * row_bytes
+
+
+def plot_expert_load(loads, args, path):
+    """Heatmap: one row per (layer, expert), one column per step, colour = tokens / mean tokens (1 = balanced)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    L, E = len(loads[0]), len(loads[0][0])
+    grid = torch.tensor(loads, dtype=torch.float32).permute(1, 2, 0).reshape(L * E, -1).numpy()
+    fig, ax = plt.subplots(figsize=(7, 1 + 0.22 * L * E))
+    im = ax.imshow(grid, aspect="auto", cmap="magma", interpolation="nearest", vmin=0)
+    for i in range(1, L):
+        ax.axhline(i * E - 0.5, color="white", lw=0.8)
+    ax.set_yticks([i * E + (E - 1) / 2 for i in range(L)], [f"layer {i}" for i in range(L)])
+    ax.set_xlabel("step")
+    ax.set_title(f"expert load (tokens / mean), {E} experts per layer, top-{args.top_k}, balance={args.balance}")
+    fig.colorbar(im, ax=ax, label="load / mean")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def check_args(args, world):
+    """Every mistake found before the first collective, so it is an error message and not a hang."""
+    gpt2.check_args(args)
+    if args.experts < 1:
+        gpt2.fail(f"--experts is {args.experts}", "--experts", "give a positive number of experts")
+    if args.experts % args.ep:
+        gpt2.fail(f"{args.experts} experts do not split evenly over {args.ep} ranks", "--experts/--ep",
+                  "give a number of experts divisible by --ep")
+    if not 1 <= args.top_k <= args.experts:
+        gpt2.fail(f"--top-k {args.top_k} is outside [1, {args.experts}]", "--top-k",
+                  "route each token to at least 1 and at most --experts experts")
+    if world % args.ep:
+        gpt2.fail(f"{world} ranks do not form groups of --ep {args.ep}", "--ep", "give a divisor of the world size")
+    if args.norm_topk and args.top_k == 1:
+        gpt2.fail("--norm-topk with --top-k 1 makes every gate 1", "--norm-topk",
+                  "drop --norm-topk or route to --top-k 2 or more (the router would learn from the aux loss only)")
+    if args.z_loss is None:
+        # ST-MoE's z-loss keeps the softmax's logits small, so exp() neither overflows nor rounds the
+        # probabilities away; a sigmoid router has no softmax to protect (DeepSeek-V3 uses none)
+        args.z_loss = 1e-3 if args.gate == "softmax" else 0.0
+    if args.max_ranks_per_token and not 1 <= args.max_ranks_per_token <= args.ep:
+        gpt2.fail(f"--max-ranks-per-token {args.max_ranks_per_token} is outside [1, --ep {args.ep}]",
+                  "--max-ranks-per-token", "give 0 (off) or a number of EP ranks")
+    if args.max_ranks_per_token and args.max_ranks_per_token * (args.experts // args.ep) < args.top_k:
+        gpt2.fail(f"--max-ranks-per-token {args.max_ranks_per_token} ranks hold {args.max_ranks_per_token * (args.experts // args.ep)}"
+                  f" experts, fewer than --top-k {args.top_k}", "--max-ranks-per-token", "allow more ranks per token")
+    if args.seq_aux_coef < 0:
+        gpt2.fail(f"--seq-aux-coef is {args.seq_aux_coef}", "--seq-aux-coef", "give 0 (off) or a positive coefficient")
+    if args.overlap_shared and not args.shared_expert:
+        gpt2.fail("--overlap-shared without a shared expert to overlap", "--overlap-shared", "add --shared-expert")
+    if args.capacity_factor < 0:
+        gpt2.fail(f"--capacity-factor is {args.capacity_factor}", "--capacity-factor",
+                  "give 0 (dropless) or a positive factor")
+
+
+def make_parser():
+    p = gpt2.make_parser("Train a Mixture-of-Experts GPT-2 with expert parallelism (torchrun for several ranks).")
+    a = p.add_argument
+    a("--ep", type=int, default=1, help="expert-parallel size: experts are split over groups of this many ranks")
+    a("--experts", type=int, default=4, help="routed experts per MoE layer (each shaped as GPT-2's MLP)")
+    a("--top-k", type=int, default=2, help="experts per token")
+    a("--capacity-factor", type=float, default=0.0, help="expert capacity = C*tokens*k/E per rank; 0 = dropless")
+    a("--gate", default="softmax", choices=["softmax", "sigmoid"], help="softmax top-k probabilities, or DeepSeek-V3 sigmoid renormalised over k")
+    a("--shared-expert", action="store_true", help="add one always-on expert per layer (DeepSeek-V3), data parallel")
+    a("--balance", default="aux", choices=["aux", "bias", "none"], help="Switch aux loss, DeepSeek-V3 aux-loss-free bias, or nothing")
+    a("--aux-coef", type=float, default=0.01, help="alpha of the Switch load-balancing loss")
+    a("--norm-topk", action="store_true", help="renormalise softmax gates over the chosen k (Mixtral, DeepSeek-V2); "
+      "sigmoid gates always are")
+    a("--z-loss", type=float, default=None, help="coefficient of the router z-loss (0 = off); default 1e-3 for "
+      "--gate softmax, 0 for sigmoid")
+    a("--bias-rate", type=float, default=1e-3, help="gamma: bias update speed of --balance bias")
+    a("--dispatch", default="expert", choices=["expert", "rank"], help="send a token once per chosen expert, or once "
+      "per destination rank (DeepSeek-V3: the receiver fans out to its local experts and sums)")
+    a("--max-ranks-per-token", type=int, default=0, help="node-limited routing (DeepSeek-V3 sec. 2.1.2): a token's "
+      "experts come from at most M EP ranks; 0 = off")
+    a("--seq-aux-coef", type=float, default=0.0, help="alpha of DeepSeek-V3's sequence-wise balance loss (0 = off)")
+    a("--grouped-gemm", action="store_true", help="run the local experts as grouped GEMMs (torch._grouped_mm where "
+      "available, a batched matmul elsewhere)")
+    a("--overlap-shared", action="store_true", help="compute the shared expert while the dispatch all-to-all is in flight")
+    a("--time-a2a", action="store_true", help="synchronize CUDA around each all-to-all to time it (costs overlap)")
+    return p
+
+
+def load_moe(path, device="cpu"):
+    """OUT/model.pt written by train() -> the MoE GPT-2 in one process (all experts, dropless), for sampling
+    or evaluation. gpt2.load_for_inference builds a dense GPT-2 and cannot read it."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    cfg = gpt2.GPTConfig(**ckpt["config"])
+    model = gpt2.GPT(cfg)
+    moe = ckpt["moe"]
+    args = argparse.Namespace(**moe, ep=1, capacity_factor=0.0, seed=0)
+    for i, block in enumerate(model.h):
+        block.mlp = MoE(cfg, args, i, model.init_weights)
+        block.mlp.route_ranks = moe["route_ranks"]  # node-limited routing keeps the training layout's ranks
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval()
+
+
+def sample(argv):
+    p = argparse.ArgumentParser(prog="moe_ep.py sample", description="Sample text from a model.pt written by moe_ep.py.")
+    p.add_argument("--init-from", default="out/model.pt", help="OUT/model.pt of a moe_ep.py run")
+    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("--num-samples", type=int, default=3, help="how many continuations")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens per continuation")
+    p.add_argument("--seed", type=int, default=42, help="sampling seed")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    a = p.parse_args(argv)
+    if not os.path.exists(a.init_from):
+        gpt2.fail(f"{a.init_from} does not exist", "--init-from", "give the model.pt of a finished moe_ep.py run")
+    torch.manual_seed(a.seed)
+    model, enc = load_moe(a.init_from, a.device), gpt2.get_tokenizer()
+    idx = torch.tensor([enc.encode(a.prompt, allowed_special={"<|endoftext|>"})] * a.num_samples, device=a.device)
+    for row in gpt2.generate(model, idx, a.max_new_tokens).tolist():
+        print(enc.decode(row), "\n" + "-" * 40)
+
+
 if __name__ == "__main__":
-    gpt2.run_main(train)
+    if len(sys.argv) > 1 and sys.argv[1] == "sample":
+        gpt2.run_main(sample, sys.argv[2:])
+    else:
+        gpt2.run_main(train)

@@ -294,6 +294,19 @@ def test_expert_parallel_equals_one_process(bigram_data, tmp_path):
     assert all(r["drop_rate"] == 0 and len(r["expert_load"]) == 2 and len(r["expert_load"][0]) == 4 for r in steps)
     assert all(r["a2a_mb"] == 0 for r in base if "loss" in r) and all(r["a2a_mb"] > 0 for r in steps)
     assert all(0.7 < r["a2a_mb"] / r["a2a_mb_theory"] < 1.3 for r in steps), [(r["a2a_mb"], r["a2a_mb_theory"]) for r in steps]
+    # model.pt holds every expert whatever the layout: the EP runs' files equal the one-process file, and the
+    # loaded model (moe_ep.load_moe, one process, dropless) reproduces the run's last val loss on the same tokens
+    ref_state = torch.load(os.path.join(o["ref"], "model.pt"), weights_only=True)["model"]
+    for name in ("ep2", "ep2dp2", "ep4"):
+        state = torch.load(os.path.join(o[name], "model.pt"), weights_only=True)["model"]
+        assert state.keys() == ref_state.keys() and max((state[k] - ref_state[k]).abs().max() for k in state) < 1e-4
+    model = moe_ep.load_moe(os.path.join(o["ep4"], "model.pt"))
+    assert len(model.h[0].mlp.experts) == 4
+    val = gpt2.read_shard(os.path.join(bigram_data, "val_000000.bin"))[:8 * 32 + 1].astype(np.int64)
+    x, y = torch.from_numpy(val[:-1]).view(8, 32), torch.from_numpy(val[1:]).view(8, 32)
+    with torch.no_grad():
+        assert abs(model(x, y)[1].item() - col(read_metrics(o["ep4"]), "val_loss")[-1]) < 1e-5
+    assert gpt2.generate(model, x[:1, :4], 3).shape == (1, 7)
     # measured == closed form from the step's routing, with activation checkpointing (ep2dp2: the recomputed
     # forward repeats both token exchanges and the counts exchange) and without
     for name in ("ep2", "ep2dp2", "ep4", "ds_ep2dp2"):
