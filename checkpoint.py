@@ -60,6 +60,10 @@ References: Rajbhandari et al. 2020, ZeRO (section 5.1, P_os: optimizer-state pa
 Mohan et al. 2021, CheckFreq (FAST'21, section 4: snapshot to memory, persist in the background);
 Eisenman et al. 2022, Check-N-Run (NSDI'22); PyTorch torch.distributed.checkpoint (DCP) and
 Megatron-LM's distributed checkpointing (resharding by global offsets); the safetensors file layout.
+
+From gpt2.py: the model and data (build_model, make_loaders), the recipe (make_adamw, set_lr,
+accumulate_grads, evaluate, check_finite), the plumbing (setup, collective names, CommMeter, Metrics,
+Profiler, print0) and the one-line errors and locks (make_parser, check_args, fail, lock_dir, run_main).
 """
 import json
 import os
@@ -595,32 +599,8 @@ def load_latest(args, zero, opt, loader, ctx):
 
 
 def main(argv=None):
-    p = gpt2.make_parser("GPT-2 on ZeRO-1 with sharded, asynchronous, crash-safe checkpoints and resharding resume.")
-    p.add_argument("--ckpt-dir", help="checkpoint directory; the newest valid checkpoint in it is resumed")
-    p.add_argument("--save-every", type=int, default=0, help="save every N steps, and after the last (0 = never)")
-    p.add_argument("--keep", type=int, default=2, help="committed checkpoints to keep (older ones are pruned)")
-    p.add_argument("--fail-at", type=int, default=-1,
-                   help="fault injection for tests: the last rank calls os._exit(1) before this step, on "
-                        "torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT=0); -1 = never")
-    p.add_argument("--allow-fresh-start", action="store_true",
-                   help="when --ckpt-dir holds checkpoints and none verifies, train from step 0 instead of stopping")
-    args = p.parse_args(argv)
+    args = parse_args(argv)  # the flags and their checks, in the appendix; --ckpt-dir is locked by rank 0
     world = int(os.environ.get("WORLD_SIZE", 1))
-    gpt2.check_args(args)
-    if args.keep < 1:
-        gpt2.fail(f"--keep is {args.keep}", "--keep", "keep at least the newest checkpoint")
-    if args.save_every < 0:
-        gpt2.fail(f"--save-every is {args.save_every}", "--save-every", "give 0 (never) or a number of steps")
-    if args.save_every and not args.ckpt_dir:
-        gpt2.fail("--save-every without a directory to save into", "--ckpt-dir", "add --ckpt-dir DIR")
-    if args.ckpt_dir:
-        try:
-            os.makedirs(args.ckpt_dir, exist_ok=True)
-        except OSError as e:
-            gpt2.fail(f"cannot create {args.ckpt_dir}: {e.strerror}", "--ckpt-dir", "give a writable directory")
-        if int(os.environ.get("RANK", 0)) == 0:  # one run per directory: a second would resume our commits
-            gpt2.lock_dir(args.ckpt_dir, "--ckpt-dir")  # and prune our in-flight saves
-
     own_group = world > 1 and not dist.is_initialized()  # tests may call main() inside their own group
     ctx = gpt2.setup(args)
     comm = gpt2.CommMeter()
@@ -689,6 +669,38 @@ def main(argv=None):
     metrics.plot()
     if own_group:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Appendix: the command line and its checks (all before the process group starts)
+
+
+def parse_args(argv):
+    p = gpt2.make_parser("GPT-2 on ZeRO-1 with sharded, asynchronous, crash-safe checkpoints and resharding resume.")
+    p.add_argument("--ckpt-dir", help="checkpoint directory; the newest valid checkpoint in it is resumed")
+    p.add_argument("--save-every", type=int, default=0, help="save every N steps, and after the last (0 = never)")
+    p.add_argument("--keep", type=int, default=2, help="committed checkpoints to keep (older ones are pruned)")
+    p.add_argument("--fail-at", type=int, default=-1,
+                   help="fault injection for tests: the last rank calls os._exit(1) before this step, on "
+                        "torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT=0); -1 = never")
+    p.add_argument("--allow-fresh-start", action="store_true",
+                   help="when --ckpt-dir holds checkpoints and none verifies, train from step 0 instead of stopping")
+    args = p.parse_args(argv)
+    gpt2.check_args(args)
+    if args.keep < 1:
+        gpt2.fail(f"--keep is {args.keep}", "--keep", "keep at least the newest checkpoint")
+    if args.save_every < 0:
+        gpt2.fail(f"--save-every is {args.save_every}", "--save-every", "give 0 (never) or a number of steps")
+    if args.save_every and not args.ckpt_dir:
+        gpt2.fail("--save-every without a directory to save into", "--ckpt-dir", "add --ckpt-dir DIR")
+    if args.ckpt_dir:
+        try:
+            os.makedirs(args.ckpt_dir, exist_ok=True)
+        except OSError as e:
+            gpt2.fail(f"cannot create {args.ckpt_dir}: {e.strerror}", "--ckpt-dir", "give a writable directory")
+        if int(os.environ.get("RANK", 0)) == 0:  # one run per directory: a second would resume our commits
+            gpt2.lock_dir(args.ckpt_dir, "--ckpt-dir")  # and prune our in-flight saves
+    return args
 
 
 if __name__ == "__main__":
