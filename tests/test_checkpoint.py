@@ -333,7 +333,7 @@ def test_compile_and_bf16_one_process(straight, shakespeare, tmp_path):
     compiled, ref = str(tmp_path / "compiled"), train_losses(f"{straight}/straight")
     checkpoint.main(flags(shakespeare, compiled, 8, "--steps", "2", "--compile", "--ckpt-dir", str(tmp_path / "ck"),
                           "--save-every", "2"))
-    assert max_rel_diff(train_losses(compiled), ref[:2]) <= 1e-6  # measured 8.9e-8
+    assert max_rel_diff(train_losses(compiled), ref[:2]) <= 1e-6  # measured <= 8.9e-8 (steps 0-2)
     assert os.path.exists(f"{tmp_path}/ck/step_000002/manifest.json")
     # --dtype bfloat16 (autocast; fp32 master weights, gradients and moments) vs gpt2.py's bf16 run, same global batch
     checkpoint.main(flags(shakespeare, str(tmp_path / "ck16"), 8, "--steps", "3", "--dtype", "bfloat16"))
