@@ -7,12 +7,16 @@ saving and loading the very same ZeRO-1 state (each rank's slice of the fp32 par
 Columns: blocked = time the training loop waits for a save to return; durable = time until the
 checkpoint is committed on every rank (fsync'd); load = read (+ verify) back into the live state;
 MB = bytes on disk. Median over --repeats, the slowest rank each time.
+
+    python tests/bench_checkpoint.py --per-rank-124m    # GPT-2 124M at 8 ranks, one process, fake process group
 """
 import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -42,6 +46,93 @@ def slowest(t, ctx):
 
 def dir_mb(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) / 1e6
+
+
+def saved_activation_mb(model, batch_size, seq_len, probe_t=128):
+    """Bytes autograd saves for backward under CPU bf16 autocast, counted once per storage by
+    saved_tensors_hooks, measured at B=1 and B=2 with T=probe_t: the difference is one sequence's share,
+    scaled linearly to batch_size x seq_len (the CPU SDPA path saves O(T) per token: 68.9 MB at T=128 and
+    137.8 MB at T=256 per sequence for GPT-2 124M). The rest is the bf16 copies of the weights autocast
+    makes once per forward. Returns (activations MB at batch_size x seq_len, weight copies MB)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved_mb(b):
+        seen, total = set(), [0]
+
+        def pack(t):
+            key = (t.untyped_storage().data_ptr(), t.dtype)
+            if key not in seen and key[0] not in params:  # persistent parameters are not activations
+                seen.add(key)
+                total[0] += t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randint(0, 50257, (b, probe_t))
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x, x)
+        return total[0] / 1e6
+
+    one, two = saved_mb(1), saved_mb(2)
+    return (two - one) * batch_size * seq_len / probe_t, one - (two - one)
+
+
+def per_rank_124m(world=8, batch_size=16, seq_len=1024):
+    """checkpoint.py at GPT-2 124M, rank 0 of `world` under torch's fake process group (collectives are
+    no-ops, the CommMeter counts what they would send): the real Zero1 buffers and AdamW state, one
+    optimizer step's collectives, and one real save of rank 0's shard (snapshot + write + fsync) and the
+    manifest into a temporary directory."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    args = gpt2.make_parser("").parse_args(["--model", "gpt2", "--batch-size", str(batch_size), "--seq-len", str(seq_len),
+                                            "--device", "cpu", "--steps", "1"])
+    ctx = gpt2.Context(0, world, 0, torch.device("cpu"), torch.bfloat16, True)
+    comm = gpt2.CommMeter()
+    model = gpt2.build_model(args)
+    zero = checkpoint.Zero1(model, args, ctx, comm)
+    opt = gpt2.make_adamw(zero.optimizer_groups(), args, ctx.device)
+    opt.step()  # allocates AdamW's moments for this rank's slice
+    comm.take_mb()
+    # one optimizer step's collectives, the calls main() makes
+    zero.reduce_scatter_grads()
+    zero.clip_global_grad_norm(args.grad_clip)
+    zero.all_gather_params()
+    comm.all_reduce(8, world)  # main(): the loss and the failed-save flag, one 2-float all-reduce
+    comm_mb = comm.take_mb()
+    P, n = zero.numel, zero.shard
+    state_mb = sum(t.nbytes for s in opt.state.values() for t in s.values()) / 1e6
+    act_mb, casts_mb = saved_activation_mb(model, batch_size, seq_len)
+    with tempfile.TemporaryDirectory() as tmp:
+        args.ckpt_dir, args.keep = tmp, 1
+        with mock.patch.object(dist, "new_group", lambda *a, **k: None):  # the writer's gloo group: not under fake
+            ck = checkpoint.AsyncCheckpointer(args, ctx, zero, comm)
+        tensors, _ = ck.snapshot(opt)
+        snapshot_mb = sum(t.nbytes for t in ck.buffers.values()) / 1e6
+        d = checkpoint.step_dir(tmp, 1)
+        os.makedirs(d)
+        meta = {"step": 1, "rank": 0, "world": world, "lo": zero.lo, "hi": zero.hi, "loader": {"shard": 0, "pos": 0},
+                "config": zero.config}
+        nbytes, crc = checkpoint.write_shard(os.path.join(d, f"rank00000-of-{world:05d}.safetensors"), tensors, meta)
+        ck._commit(1, d, torch.tensor([[1, nbytes, crc]] * world), {"shard": 0, "pos": 0})
+        manifest_kb = os.path.getsize(os.path.join(d, "manifest.json")) / 1e3
+        shard_mb = os.path.getsize(os.path.join(d, f"rank00000-of-{world:05d}.safetensors")) / 1e6
+    if own:
+        dist.destroy_process_group()
+    return [{"setup": "checkpoint.py (ZeRO-1, async sharded saves)",
+             "comm_MB": comm_mb, "comm_MB_closed": (2 * (world - 1) / world * 4 * n * world + 2 * (world - 1) / world * 12) / 1e6,
+             "params_MB": zero.flat.nbytes / 1e6, "grads_MB": (zero.grad.nbytes + zero.grad_shard.nbytes) / 1e6,
+             "optim_MB": state_mb, "act_MB": act_mb, "mem_MB_closed": (4 * P + 4 * P + 4 * n + 8 * n) / 1e6,
+             "ckpt_MB": shard_mb, "ckpt_MB_closed": 12 * n / 1e6, "manifest_KB": manifest_kb,
+             "snapshot_MB": snapshot_mb, "snapshot_MB_closed": 12 * n / 1e6, "bf16_weight_copies_MB": casts_mb,
+             "how": f"fake PG rank 0 of {world}, CPU tensors; activations at B=1,2 T=128 scaled; a real save of rank 0's shard"}]
+
+
+def print_per_rank_124m():
+    t0 = time.perf_counter()
+    for r in per_rank_124m():
+        for k, v in r.items():
+            print(f"{k:22s} {v:.2f}" if isinstance(v, float) else f"{k:22s} {v}")
+    print(f"({time.perf_counter() - t0:.0f} s)")
 
 
 def main():
@@ -135,4 +226,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    print_per_rank_124m() if "--per-rank-124m" in sys.argv else main()
