@@ -1,6 +1,7 @@
 """
 ddp.py - data parallelism written from torch.distributed calls: every rank holds the whole model,
-reads its own slice of the global batch, and the ranks average their gradients before each step.
+reads its own slice of the global batch, and the ranks average their gradients before each step;
+ZeRO-1 and ZeRO-2 then shard the optimizer state and the gradients over the ranks.
 
 The idea: N ranks run forward and backward on N different micro-batches, then all-reduce (sum,
 divided by N) the gradients, so every rank applies the same update to the same weights and the run
@@ -8,35 +9,62 @@ is the single-process run on an N-times-larger batch. The cost is moving 2(N-1)/
 bytes) per step; the trick is to hide it under backward. Gradients are grouped into ~25 MB buckets
 in the reverse order of the parameters (about the order backward produces them), and each bucket's
 all-reduce starts asynchronously the moment its last gradient lands (a post-accumulate-grad hook),
-while backward keeps computing earlier layers. With --zero1 (ZeRO stage 1) each rank also keeps
-the AdamW moments of only 1/N of the weights: the buckets are reduce-scattered instead, each rank
-updates its slice, and an all-gather brings the updated weights back to everyone.
+while backward keeps computing earlier layers. An all-reduce is a reduce-scatter followed by an
+all-gather, which is what ZeRO exploits: with --zero 1 each bucket is only reduce-scattered, rank r
+keeps AdamW's moments for slice r alone, updates slice r, and all-gathers the new weights (same bytes,
+1/N of the optimizer state). --zero 2 also frees each bucket's buffer once its reduce-scatter is done,
+so a rank keeps only its slice of the gradients. DataParallel wraps any nn.Module and
+ShardedOptimizer wraps any element-wise torch optimizer, so both work on models that are not GPT-2.
 
-    rank r (of N): whole model | batch rows [r*B, (r+1)*B) | AdamW state: all (DDP) or slice r (ZeRO-1)
+    rank r (of N): whole model | batch rows [r*B, (r+1)*B) | AdamW state: all (plain) or slice r (ZeRO)
 
-    GPT-2 124M, --bucket-mb 25: 18 buckets of 16-22 MB (ln_f, h.11 ... h.0, wpe), then wte alone (155 MB)
-    backward  [lm_head][ln_f,h.11][h.10][h.9] ... [h.0][wpe][wte]
-    comm                  [b0]      [b1] [b2] ...  [b16] [b17][b18 = wte ...........] wait -> clip -> AdamW
+    one bucket, 2 ranks    grads  [ s0 | s1 ]   (padded to a multiple of N; a parameter may span slices)
+      plain   all-reduce:       [ s0 | s1 ] -> mean on every rank; every rank steps all of it
+      ZeRO-1  reduce-scatter:   rank r gets mean(s_r); AdamW on s_r; all-gather weights [ s0 | s1 ]
+      ZeRO-2  the same, and the bucket buffer is freed after its reduce-scatter: rank r keeps mean(s_r)
+
+    GPT-2 124M, --bucket-mb 25 (fp32 gradients, 28.3 MB per block): 19 buckets, 3 for every 2 blocks,
+    cut inside blocks (backward order: a block's mlp.c_proj first, its ln_1 last)
+      b0  21.3 MB  ln_f, h.11 mlp, ln_2, attn.c_proj, attn.c_attn.bias
+      b1  16.5 MB  h.11 attn.c_attn.weight, ln_1 | h.10 mlp.c_proj, mlp.c_fc.bias
+      b2  18.9 MB  h.10 mlp.c_fc.weight ... ln_1 | h.9 mlp.c_proj.bias
+      b3  21.3 MB  h.9 mlp.c_proj.weight ... attn.c_attn.bias           (b1-b3 repeat down to h.0)
+      b17 22.0 MB  h.0 mlp.c_fc.weight ... ln_1, wpe
+      b18 154.5 MB wte alone (the tied lm_head: bigger than the cap)
+    backward  [lm_head][ln_f h.11][h.10][h.9] ... [h.0][wpe][wte]
+    comm                 [b0]  [b1][b2][b3] ...  [b16][b17][b18 = wte ..........] wait -> clip -> AdamW
     (the tied wte/lm_head gradient is complete only when the embedding's backward, the very last op,
      has added its share: its bucket, 31% of the bytes, is the one that cannot hide under backward)
 
-    ZeRO-1, per bucket:   grads   [ s0 | s1 | .. | sN-1 ]  --reduce-scatter-->  rank r: mean of slice r
-                          AdamW on slice r only (exp_avg, exp_avg_sq: 1/N of the state per rank)
-                          weights [ s0 | s1 | .. | sN-1 ]  <--all-gather--   rank r's updated slice
-    bytes per rank per step: all-reduce 2(N-1)/N x G  =  reduce-scatter (N-1)/N x G + all-gather (N-1)/N x G
+GPT-2 124M at 8 ranks (P = 124,475,904, fp32 master weights + AdamW; `python tests/bench_ddp.py
+--per-rank-124m`: a real step of these classes on rank 0 of torch's fake process group):
+    bytes sent per rank per step, all three: 871.3 MB = 2(N-1)/N x 4P (all-reduce, or reduce-scatter +
+        all-gather of the same buckets; --grad-accum k: plain/ZeRO-1 the same, ZeRO-2 (k+1)(N-1)/N x 4P)
+    memory per rank, MB   params 4P   grads                        AdamW          total (closed form)
+      plain               497.9       497.9 (4P)                   995.8 (8P)     1991.6 (1991.6)
+      --zero 1            497.9       497.9 (4P)                   124.5 (8P/N)   1120.3 (1120.3)
+      --zero 2            497.9       238.8 (4P/N + b18 = 216.7)   124.5 (8P/N)    861.2 (839.2)
+    (ZeRO-2's extra 22.1 MB is b17 still reducing while wte's bucket fills: one bucket in flight)
+    activations saved for backward at B=16, T=1024, bf16: 8821 MB per rank (every setup: each rank runs
+        the whole model on its rows), plus autocast's bf16 weight copies 247 MB. ZeRO-3 (fsdp2.py) shards
+        the 497.9 MB of weights too.
 
 Launch (same flags as `python gpt2.py train`; --batch-size is per rank):
     python gpt2.py prepare shakespeare
     torchrun --nproc_per_node=2 ddp.py --device cpu              # CPU, gloo
     torchrun --nproc_per_node=8 ddp.py --model gpt2 --data data/fineweb10B --seq-len 1024 --batch-size 16 \
         --grad-accum 4 --lr 6e-4 --warmup 700 --steps 19000 --compile       # 0.5M tokens/step, as GPT-2
-    torchrun --nproc_per_node=8 ddp.py ... --zero1               # AdamW state / N
+    torchrun --nproc_per_node=8 ddp.py ... --zero 1              # AdamW state / N   (--zero1 is the same)
+    torchrun --nproc_per_node=8 ddp.py ... --zero 2              # and gradients / N
     python gpt2.py sample --init-from out/model.pt
 
 References: Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel
 Training" (section 3.2: bucketing, overlap, unused parameters, no_sync); Rajbhandari et al. 2020,
-"ZeRO" (section 5.1, P_os); Patarasuk & Yuan 2009 (the ring all-reduce bound); picotron's
-data_parallel.py.
+"ZeRO" (section 5.1: P_os = our ZeRO-1, P_os+g = our ZeRO-2; the paper reduces gradients to their
+owner, we reduce-scatter flat buckets, the same bytes); Patarasuk & Yuan 2009 (the ring all-reduce
+bound); picotron's data_parallel.py.
+Uses from gpt2.py: build_model, make_loaders, optimizer_groups, make_adamw, set_lr, evaluate, setup,
+CommMeter, Metrics, Profiler, the flat-collective names, fail / check_args / run_main.
 """
 import contextlib
 import math
@@ -116,149 +144,6 @@ def group_world():
 
 
 # ----------------------------------------------------------------------------------------------------
-# ZeRO-1 as an optimizer: each rank keeps the state of, and updates, 1/N of every flat bucket
-
-
-class Shard:
-    """The elements [lo, hi) of bucket `bucket` that belong to `param` and to this rank. `tensor` is a
-    1-D view of the parameter's storage: the inner optimizer updates it in place, and it carries its
-    own .grad (the matching slice of the averaged gradient)."""
-
-    def __init__(self, param, bucket, index, lo, hi, tensor):
-        self.param, self.bucket, self.index, self.lo, self.hi, self.tensor = param, bucket, index, lo, hi, tensor
-
-
-class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO stage 1 (Rajbhandari et al. 2020, section 5.1, P_os) around any element-wise optimizer:
-
-        opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)   # or param groups
-        ... gradients averaged over the ranks (DataParallel, or anything else) ...
-        opt.step(); opt.zero_grad()
-
-    The parameters are moved into flat buckets (the Parameter objects stay, only their storage moves),
-    each bucket is cut into N slices, and rank r's optimizer_cls sees only the pieces of slice r: it
-    keeps their state (AdamW: exp_avg and exp_avg_sq, 8 bytes per element, so 8P/N per rank) and
-    updates them in place. step() then all-gathers every bucket, so all ranks hold all the new weights.
-    The gradient of a piece is a view of param.grad when the parameter has one (DataParallel plain, or
-    any all-reduce), else the slice a fused reducer put on the piece (DataParallel's ZeRO-1/2 path,
-    which reduce-scatters straight into it). param_groups are the inner optimizer's (set lr there).
-
-    Flat slices are exact only for element-wise rules (AdamW, SGD with momentum, Lion): the update of
-    an element depends on that element's history alone, so slice r of the update is the update of slice
-    r. A per-matrix rule such as Muon (Newton-Schulz orthogonalizes the whole 2-D update) needs every
-    element of a matrix on one rank: it must shard whole parameters (rank r owns matrices, not slices)
-    and gather whole updated matrices; a flat slice cuts matrices in pieces and would change the math."""
-
-    def __init__(self, params, optimizer_cls, layout=None, bucket_mb=25.0, meter=None, **kwargs):
-        groups = list(params)
-        if not groups:
-            raise ValueError("ShardedOptimizer: empty parameter list")
-        if not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        groups = [{**g, "params": list(g["params"])} for g in groups]
-        every = unique_params(p for g in groups for p in g["params"])
-        self.world, self.rank = group_world()
-        self.meter = meter if meter is not None else gpt2.CommMeter()
-        if layout is None:
-            layout = bucket_params(every, math.inf if bucket_mb is None else bucket_mb * 1e6)
-        if {id(p) for run in layout for p in run} != {id(p) for p in every}:
-            raise ValueError("ShardedOptimizer: the layout must hold exactly the parameters given")
-        self.buckets = [Bucket(run, self.world) for run in layout]
-        self.shards, self.bucket_shards = [], []
-        with torch.no_grad():
-            for k, b in enumerate(self.buckets):
-                b.weights = b.new_buffer()
-                mine_lo, mine_hi = self.rank * b.slice_numel, (self.rank + 1) * b.slice_numel
-                here = []
-                for i, p in enumerate(b.params):
-                    b.view(b.weights, i).copy_(p.detach())
-                    # swap the storage, keep the Parameter: the module, tied weights, hooks and any
-                    # optimizer built before all still point at the same object
-                    p.data = b.view(b.weights, i)
-                    lo, hi = max(b.offsets[i], mine_lo), min(b.offsets[i + 1], mine_hi)
-                    if lo < hi:
-                        here.append(Shard(p, k, i, lo, hi, b.weights[lo:hi]))
-                self.shards += here
-                self.bucket_shards.append(here)
-        pieces = {}
-        for s in self.shards:
-            pieces.setdefault(id(s.param), []).append(s.tensor)
-        seen, inner = set(), []
-        for g in groups:  # each group keeps its options (weight decay, lr) for its parameters' pieces
-            mine = [t for p in g["params"] if id(p) not in seen and not seen.add(id(p)) for t in pieces.get(id(p), [])]
-            inner.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine})
-        self.optimizer = optimizer_cls(inner, **kwargs)
-        super().__init__(every, self.optimizer.defaults)
-        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
-
-    def take_grads(self):
-        """Point each piece's .grad at its slice of param.grad where the parameter has a full gradient."""
-        for s in self.shards:
-            if s.param.grad is not None:
-                start = self.buckets[s.bucket].offsets[s.index]
-                s.tensor.grad = s.param.grad.view(-1)[s.lo - start: s.hi - start]
-
-    def clip_grad_norm_(self, max_norm):
-        """Clip on the norm of the GLOBAL gradient: each element is in exactly one rank's pieces, so the
-        squared norms are summed over the ranks (torch.nn.utils.clip_grad_norm_'s formula otherwise)."""
-        self.take_grads()
-        grads = [s.tensor.grad for s in self.shards if s.tensor.grad is not None]
-        device = self.buckets[0].device
-        sq = torch.zeros((), device=device)
-        if grads:
-            sq += torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
-        if self.world > 1:
-            dist.all_reduce(sq)
-            self.meter.all_reduce(sq.element_size(), self.world)
-        norm = sq.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
-        return norm
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.take_grads()
-        self.optimizer.step()
-        self.all_gather_params()
-        return loss
-
-    def all_gather_params(self):
-        """Every rank updated its slice of every bucket; one all-gather per bucket, in place, gives each
-        replica all of them. (It could instead overlap the next forward, as FSDP's prefetch does.)"""
-        if self.world == 1:
-            return
-        works = []
-        for b in self.buckets:
-            S = b.slice_numel
-            works.append(all_gather_single(b.weights, b.weights[self.rank * S: (self.rank + 1) * S], async_op=True))
-            self.meter.all_gather(b.nbytes(), self.world)
-        for w in works:
-            w.wait()
-
-    def zero_grad(self, set_to_none=True):
-        """The pieces' gradients and every parameter's, including those with no piece on this rank."""
-        self.optimizer.zero_grad(set_to_none)
-        for b in self.buckets:
-            for p in b.params:
-                if set_to_none:
-                    p.grad = None
-                elif p.grad is not None:
-                    p.grad.zero_()
-
-    def state_dict(self):
-        return self.optimizer.state_dict()  # this rank's pieces' state
-
-    def load_state_dict(self, state_dict):
-        self.optimizer.load_state_dict(state_dict)
-        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
-
-
-# ----------------------------------------------------------------------------------------------------
 # Data parallelism: bucketed all-reduce (or reduce-scatter) overlapped with backward
 
 
@@ -295,6 +180,11 @@ class DataParallel(nn.Module):
         if not self.params:
             raise ValueError("DataParallel: the module has no parameter that requires grad")
         self.names = {p: n for n, p in module.named_parameters()}
+        taken = [self.names[p] for p in self.params if getattr(p, "_data_parallel", False)]
+        if taken:  # two sets of hooks on one parameter would each take its gradient
+            raise ValueError(f"DataParallel: {taken[0]} is already in a DataParallel; close() that one first")
+        for p in self.params:
+            p._data_parallel = True
         self.broadcast_from_rank0()
         # reverse registration order is roughly the order backward finishes the gradients (last layer first)
         cap = math.inf if bucket_mb is None else bucket_mb * 1e6
@@ -485,6 +375,151 @@ class DataParallel(nn.Module):
         """Remove the hooks (the module trains alone again)."""
         for h in self.hooks:
             h.remove()
+        for p in self.params:
+            p._data_parallel = False
+
+
+# ----------------------------------------------------------------------------------------------------
+# ZeRO-1 as an optimizer: each rank keeps the state of, and updates, 1/N of every flat bucket
+
+
+class Shard:
+    """The elements [lo, hi) of bucket `bucket` that belong to `param` and to this rank. `tensor` is a
+    1-D view of the parameter's storage: the inner optimizer updates it in place, and it carries its
+    own .grad (the matching slice of the averaged gradient)."""
+
+    def __init__(self, param, bucket, index, lo, hi, tensor):
+        self.param, self.bucket, self.index, self.lo, self.hi, self.tensor = param, bucket, index, lo, hi, tensor
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1 (Rajbhandari et al. 2020, section 5.1, P_os) around any element-wise optimizer:
+
+        opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)   # or param groups
+        ... gradients averaged over the ranks (DataParallel, or anything else) ...
+        opt.step(); opt.zero_grad()
+
+    The parameters are moved into flat buckets (the Parameter objects stay, only their storage moves),
+    each bucket is cut into N slices, and rank r's optimizer_cls sees only the pieces of slice r: it
+    keeps their state (AdamW: exp_avg and exp_avg_sq, 8 bytes per element, so 8P/N per rank) and
+    updates them in place. step() then all-gathers every bucket, so all ranks hold all the new weights.
+    The gradient of a piece is a view of param.grad when the parameter has one (DataParallel plain, or
+    any all-reduce), else the slice a fused reducer put on the piece (DataParallel's ZeRO-1/2 path,
+    which reduce-scatters straight into it). param_groups are the inner optimizer's (set lr there).
+
+    Flat slices are exact only for element-wise rules (AdamW, SGD with momentum, Lion): the update of
+    an element depends on that element's history alone, so slice r of the update is the update of slice
+    r. A per-matrix rule such as Muon (Newton-Schulz orthogonalizes the whole 2-D update) needs every
+    element of a matrix on one rank: it must shard whole parameters (rank r owns matrices, not slices)
+    and gather whole updated matrices; a flat slice cuts matrices in pieces and would change the math."""
+
+    def __init__(self, params, optimizer_cls, layout=None, bucket_mb=25.0, meter=None, **kwargs):
+        groups = list(params)
+        if not groups:
+            raise ValueError("ShardedOptimizer: empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        groups = [{**g, "params": list(g["params"])} for g in groups]
+        every = unique_params(p for g in groups for p in g["params"])
+        self.world, self.rank = group_world()
+        self.meter = meter if meter is not None else gpt2.CommMeter()
+        if layout is None:
+            layout = bucket_params(every, math.inf if bucket_mb is None else bucket_mb * 1e6)
+        if {id(p) for run in layout for p in run} != {id(p) for p in every}:
+            raise ValueError("ShardedOptimizer: the layout must hold exactly the parameters given")
+        self.buckets = [Bucket(run, self.world) for run in layout]
+        self.shards, self.bucket_shards = [], []
+        with torch.no_grad():
+            for k, b in enumerate(self.buckets):
+                b.weights = b.new_buffer()
+                mine_lo, mine_hi = self.rank * b.slice_numel, (self.rank + 1) * b.slice_numel
+                here = []
+                for i, p in enumerate(b.params):
+                    b.view(b.weights, i).copy_(p.detach())
+                    # swap the storage, keep the Parameter: the module, tied weights, hooks and any
+                    # optimizer built before all still point at the same object
+                    p.data = b.view(b.weights, i)
+                    lo, hi = max(b.offsets[i], mine_lo), min(b.offsets[i + 1], mine_hi)
+                    if lo < hi:
+                        here.append(Shard(p, k, i, lo, hi, b.weights[lo:hi]))
+                self.shards += here
+                self.bucket_shards.append(here)
+        pieces = {}
+        for s in self.shards:
+            pieces.setdefault(id(s.param), []).append(s.tensor)
+        seen, inner = set(), []
+        for g in groups:  # each group keeps its options (weight decay, lr) for its parameters' pieces
+            mine = [t for p in g["params"] if id(p) not in seen and not seen.add(id(p)) for t in pieces.get(id(p), [])]
+            inner.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine})
+        self.optimizer = optimizer_cls(inner, **kwargs)
+        super().__init__(every, self.optimizer.defaults)
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+
+    def take_grads(self):
+        """Point each piece's .grad at its slice of param.grad where the parameter has a full gradient."""
+        for s in self.shards:
+            if s.param.grad is not None:
+                start = self.buckets[s.bucket].offsets[s.index]
+                s.tensor.grad = s.param.grad.view(-1)[s.lo - start: s.hi - start]
+
+    def clip_grad_norm_(self, max_norm):
+        """Clip on the norm of the GLOBAL gradient: each element is in exactly one rank's pieces, so the
+        squared norms are summed over the ranks (torch.nn.utils.clip_grad_norm_'s formula otherwise)."""
+        self.take_grads()
+        grads = [s.tensor.grad for s in self.shards if s.tensor.grad is not None]
+        device = self.buckets[0].device
+        sq = torch.zeros((), device=device)
+        if grads:
+            sq += torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
+        if self.world > 1:
+            dist.all_reduce(sq)
+            self.meter.all_reduce(sq.element_size(), self.world)
+        norm = sq.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.take_grads()
+        self.optimizer.step()
+        self.all_gather_params()
+        return loss
+
+    def all_gather_params(self):
+        """Every rank updated its slice of every bucket; one all-gather per bucket, in place, gives each
+        replica all of them. (It could instead overlap the next forward, as FSDP's prefetch does.)"""
+        if self.world == 1:
+            return
+        works = []
+        for b in self.buckets:
+            S = b.slice_numel
+            works.append(all_gather_single(b.weights, b.weights[self.rank * S: (self.rank + 1) * S], async_op=True))
+            self.meter.all_gather(b.nbytes(), self.world)
+        for w in works:
+            w.wait()
+
+    def zero_grad(self, set_to_none=True):
+        """The pieces' gradients and every parameter's, including those with no piece on this rank."""
+        self.optimizer.zero_grad(set_to_none)
+        for b in self.buckets:
+            for p in b.params:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+    def state_dict(self):
+        return self.optimizer.state_dict()  # this rank's pieces' state
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
 
 
 # ----------------------------------------------------------------------------------------------------
