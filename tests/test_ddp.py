@@ -90,14 +90,14 @@ def test_zero2_with_grad_accum_matches_one_process(random_data, baseline, tmp_pa
 
 def test_bf16_two_ranks_near_gpt2_bf16(random_data, tmp_path):
     # bf16 autocast, fp32 master weights and gradients: a rank's matmuls see 4 rows instead of 8, so the
-    # bf16 rounding differs a little from one process; 3 steps stay within 2e-4 relative
+    # bf16 rounding may differ a little from one process (measured 1.8e-6 relative over 3 steps; 5e-5 allowed)
     base = str(tmp_path / "base16")
     gpt2.train(CFG + ["--data", random_data, "--batch-size", "8", "--steps", "3", "--eval-every", "0",
                       "--dtype", "bfloat16", "--out", base])
     out = str(tmp_path / "ddp16")
     run_cli(["ddp.py"] + CFG + ["--data", random_data, "--steps", "3", "--batch-size", "4", "--eval-every", "0",
                                 "--dtype", "bfloat16", "--overlap-steps", "0", "--out", out], nproc=2)
-    assert max_rel_diff(train_losses(out), train_losses(base)) <= 2e-4
+    assert max_rel_diff(train_losses(out), train_losses(base)) <= 5e-5
 
 
 def test_one_process_and_bad_input(random_data, baseline, tmp_path, monkeypatch):
@@ -106,7 +106,7 @@ def test_one_process_and_bad_input(random_data, baseline, tmp_path, monkeypatch)
     ddp.main(CFG + ["--data", random_data, "--steps", "3", "--batch-size", "8", "--eval-every", "0", "--zero1",
                     "--out", str(tmp_path / "one")])
     assert max_rel_diff(train_losses(str(tmp_path / "one")), train_losses(baseline)[:3]) <= 1e-5
-    # --compile (block by block, hooks and buckets around it) equals eager at steps 0-2
+    # --compile (block by block, hooks and buckets around it) equals eager at steps 0-2 (measured: bitwise)
     ddp.main(CFG + ["--data", random_data, "--steps", "3", "--batch-size", "8", "--eval-every", "0", "--compile",
                     "--zero", "2", "--out", str(tmp_path / "compiled")])
     assert max_rel_diff(train_losses(str(tmp_path / "compiled")), train_losses(baseline)[:3]) <= 1e-6
