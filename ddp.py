@@ -205,9 +205,12 @@ class DataParallel(nn.Module):
             # let autograd accumulate straight into the bucket (torch DDP's gradient_as_bucket_view):
             # no second copy of a gradient, so the gradients cost 4P bytes, not 4P + the largest one
             for b in self.buckets:
-                for i, p in enumerate(b.params):
-                    if p.grad is None:
-                        p.grad = b.view(b.grads, i).zero_()
+                empty = [i for i, p in enumerate(b.params) if p.grad is None]
+                if len(empty) == len(b.params):
+                    b.grads.zero_()  # after zero_grad: one kernel per bucket, not one per parameter
+                for i in empty:
+                    view = b.view(b.grads, i)
+                    b.params[i].grad = view if len(empty) == len(b.params) else view.zero_()
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args, **kwargs):
