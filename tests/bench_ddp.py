@@ -56,8 +56,10 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
     on rank 0 of torch's fake process group (collectives are no-ops; CommMeter counts the bytes of the
     calls really issued), with a 1 x 32-token batch (the bytes and buffers do not depend on the batch)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    if not dist.is_initialized():
+    own_group = not dist.is_initialized()
+    if own_group:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    assert dist.get_world_size() == world, "an existing process group has another world size"
     torch.manual_seed(0)
     cfg = gpt2.MODELS["gpt2"]
     act, weight_copies = activation_mb(cfg, batch_size, seq_len)
@@ -89,6 +91,8 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
         dp.close()
         del model, dp, opt
         gc.collect()
+    if own_group:  # the caller may run other files' fake groups next
+        dist.destroy_process_group()
     return rows
 
 
