@@ -280,7 +280,8 @@ class DataParallel(nn.Module):
             dst = b.view(b.grads, i)
         if p.grad is not None and p.grad.data_ptr() != dst.data_ptr():
             # autograd's own tensor and the bucket coexist for a moment
-            self.peak_grad_bytes = max(self.peak_grad_bytes, self.live_grad_bytes + p.grad.numel() * p.grad.element_size())
+            autograd_bytes = p.grad.numel() * p.grad.element_size()
+            self.peak_grad_bytes = max(self.peak_grad_bytes, self.live_grad_bytes + autograd_bytes)
         if p.grad is None:
             dst.zero_()
         else:
@@ -633,17 +634,17 @@ def memory_per_rank(ddp, opt):
 
 def report(args, world, ddp, opt, comm, device):
     grad_mb = sum(q.numel() * q.element_size() for q in ddp.params) / 1e6
-    steady = comm[1:] or comm
     ring = 2 * (world - 1) / world * grad_mb
     if args.zero == 2:  # one reduce-scatter per micro-step, one all-gather per step
         closed, how = (args.grad_accum + 1) * (world - 1) / world * grad_mb, f"({args.grad_accum}+1)(N-1)/N"
     else:
         closed, how = ring, "2(N-1)/N"
-    print0(f"comm per step: {sum(steady) / len(steady):.3f} MB sent per rank | closed form {how} x {grad_mb:.3f} MB "
+    print0(f"comm per step: {sum(comm) / len(comm):.3f} MB sent per rank | closed form {how} x {grad_mb:.3f} MB "
            f"of gradients = {closed:.3f} MB")
     measured, form = memory_per_rank(ddp, opt)
     setup = f"ZeRO-{args.zero}" if args.zero else "plain"
-    print0(f"memory per rank ({setup}, MB): " + " | ".join(f"{k} {measured[k]:.3f} (closed {form[k]:.3f})" for k in measured)
+    parts = [f"{k} {measured[k]:.3f} (closed {form[k]:.3f})" for k in measured]
+    print0(f"memory per rank ({setup}, MB): " + " | ".join(parts)
            + f" | total {sum(measured.values()):.3f} (closed {sum(form.values()):.3f})")
     if device.type == "cuda":
         print0(f"CUDA peak allocated (with activations): {torch.cuda.max_memory_allocated(device) / 1e6:.1f} MB")

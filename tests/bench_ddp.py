@@ -101,9 +101,9 @@ def print_per_rank_124m():
     print(f"{'setup':18s} {'comm MB':>9s} {'closed':>9s} {'params':>8s} {'grads':>8s} {'AdamW':>8s} {'p+g+o':>8s} "
           f"{'closed':>8s} {'act bf16':>9s}")
     for r in rows:
-        print(f"{r['setup']:18s} {r['comm_MB']:9.1f} {r['comm_MB_closed']:9.1f} {r['params_MB']:8.1f} {r['grads_MB']:8.1f} "
-              f"{r['optim_MB']:8.1f} {r['params_MB'] + r['grads_MB'] + r['optim_MB']:8.1f} {r['mem_MB_closed']:8.1f} "
-              f"{r['act_MB']:9.1f}")
+        total = r["params_MB"] + r["grads_MB"] + r["optim_MB"]
+        print(f"{r['setup']:18s} {r['comm_MB']:9.1f} {r['comm_MB_closed']:9.1f} {r['params_MB']:8.1f} "
+              f"{r['grads_MB']:8.1f} {r['optim_MB']:8.1f} {total:8.1f} {r['mem_MB_closed']:8.1f} {r['act_MB']:9.1f}")
     print(f"(MB per rank per optimizer step; {rows[0]['how']})")
 
 
