@@ -1,6 +1,7 @@
 """
 ddp.py - data parallelism written from torch.distributed calls: every rank holds the whole model,
-reads its own slice of the global batch, and the ranks average their gradients before each step.
+reads its own slice of the global batch, and the ranks average their gradients before each step;
+ZeRO-1 and ZeRO-2 then shard the optimizer state and the gradients over the ranks.
 
 The idea: N ranks run forward and backward on N different micro-batches, then all-reduce (sum,
 divided by N) the gradients, so every rank applies the same update to the same weights and the run
@@ -8,35 +9,62 @@ is the single-process run on an N-times-larger batch. The cost is moving 2(N-1)/
 bytes) per step; the trick is to hide it under backward. Gradients are grouped into ~25 MB buckets
 in the reverse order of the parameters (about the order backward produces them), and each bucket's
 all-reduce starts asynchronously the moment its last gradient lands (a post-accumulate-grad hook),
-while backward keeps computing earlier layers. With --zero1 (ZeRO stage 1) each rank also keeps
-the AdamW moments of only 1/N of the weights: the buckets are reduce-scattered instead, each rank
-updates its slice, and an all-gather brings the updated weights back to everyone.
+while backward keeps computing earlier layers. An all-reduce is a reduce-scatter followed by an
+all-gather, which is what ZeRO exploits: with --zero 1 each bucket is only reduce-scattered, rank r
+keeps AdamW's moments for slice r alone, updates slice r, and all-gathers the new weights (same bytes,
+1/N of the optimizer state). --zero 2 also frees each bucket's buffer once its reduce-scatter is done,
+so a rank keeps only its slice of the gradients. DataParallel wraps any nn.Module and
+ShardedOptimizer wraps any element-wise torch optimizer, so both work on models that are not GPT-2.
 
-    rank r (of N): whole model | batch rows [r*B, (r+1)*B) | AdamW state: all (DDP) or slice r (ZeRO-1)
+    rank r (of N): whole model | batch rows [r*B, (r+1)*B) | AdamW state: all (plain) or slice r (ZeRO)
 
-    GPT-2 124M, --bucket-mb 25: 18 buckets of 16-22 MB (ln_f, h.11 ... h.0, wpe), then wte alone (155 MB)
-    backward  [lm_head][ln_f,h.11][h.10][h.9] ... [h.0][wpe][wte]
-    comm                  [b0]      [b1] [b2] ...  [b16] [b17][b18 = wte ...........] wait -> clip -> AdamW
+    one bucket, 2 ranks    grads  [ s0 | s1 ]   (padded to a multiple of N; a parameter may span slices)
+      plain   all-reduce:       [ s0 | s1 ] -> mean on every rank; every rank steps all of it
+      ZeRO-1  reduce-scatter:   rank r gets mean(s_r); AdamW on s_r; all-gather weights [ s0 | s1 ]
+      ZeRO-2  the same, and the bucket buffer is freed after its reduce-scatter: rank r keeps mean(s_r)
+
+    GPT-2 124M, --bucket-mb 25 (fp32 gradients, 28.3 MB per block): 19 buckets, 3 for every 2 blocks,
+    cut inside blocks (backward order: a block's mlp.c_proj first, its ln_1 last)
+      b0  21.3 MB  ln_f, h.11 mlp, ln_2, attn.c_proj, attn.c_attn.bias
+      b1  16.5 MB  h.11 attn.c_attn.weight, ln_1 | h.10 mlp.c_proj, mlp.c_fc.bias
+      b2  18.9 MB  h.10 mlp.c_fc.weight ... ln_1 | h.9 mlp.c_proj.bias
+      b3  21.3 MB  h.9 mlp.c_proj.weight ... attn.c_attn.bias           (b1-b3 repeat down to h.0)
+      b17 22.0 MB  h.0 mlp.c_fc.weight ... ln_1, wpe
+      b18 154.5 MB wte alone (the tied lm_head: bigger than the cap)
+    backward  [lm_head][ln_f h.11][h.10][h.9] ... [h.0][wpe][wte]
+    comm                 [b0]  [b1][b2][b3] ...  [b16][b17][b18 = wte ..........] wait -> clip -> AdamW
     (the tied wte/lm_head gradient is complete only when the embedding's backward, the very last op,
      has added its share: its bucket, 31% of the bytes, is the one that cannot hide under backward)
 
-    ZeRO-1, per bucket:   grads   [ s0 | s1 | .. | sN-1 ]  --reduce-scatter-->  rank r: mean of slice r
-                          AdamW on slice r only (exp_avg, exp_avg_sq: 1/N of the state per rank)
-                          weights [ s0 | s1 | .. | sN-1 ]  <--all-gather--   rank r's updated slice
-    bytes per rank per step: all-reduce 2(N-1)/N x G  =  reduce-scatter (N-1)/N x G + all-gather (N-1)/N x G
+GPT-2 124M at 8 ranks (P = 124,475,904, fp32 master weights + AdamW; `python tests/bench_ddp.py
+--per-rank-124m`: a real step of these classes on rank 0 of torch's fake process group):
+    bytes sent per rank per step, all three: 871.3 MB = 2(N-1)/N x 4P (all-reduce, or reduce-scatter +
+        all-gather of the same buckets; --grad-accum k: plain/ZeRO-1 the same, ZeRO-2 (k+1)(N-1)/N x 4P)
+    memory per rank, MB   params 4P   grads                        AdamW          total (closed form)
+      plain               497.9       497.9 (4P)                   995.8 (8P)     1991.6 (1991.6)
+      --zero 1            497.9       497.9 (4P)                   124.5 (8P/N)   1120.3 (1120.3)
+      --zero 2            497.9       238.8 (4P/N + b18 = 216.7)   124.5 (8P/N)    861.2 (839.2)
+    (ZeRO-2's extra 22.1 MB is b17 still reducing while wte's bucket fills: one bucket in flight)
+    activations saved for backward at B=16, T=1024, bf16: 8821 MB per rank (every setup: each rank runs
+        the whole model on its rows), plus autocast's bf16 weight copies 247 MB. ZeRO-3 (fsdp2.py) shards
+        the 497.9 MB of weights too.
 
 Launch (same flags as `python gpt2.py train`; --batch-size is per rank):
     python gpt2.py prepare shakespeare
     torchrun --nproc_per_node=2 ddp.py --device cpu              # CPU, gloo
     torchrun --nproc_per_node=8 ddp.py --model gpt2 --data data/fineweb10B --seq-len 1024 --batch-size 16 \
         --grad-accum 4 --lr 6e-4 --warmup 700 --steps 19000 --compile       # 0.5M tokens/step, as GPT-2
-    torchrun --nproc_per_node=8 ddp.py ... --zero1               # AdamW state / N
+    torchrun --nproc_per_node=8 ddp.py ... --zero 1              # AdamW state / N   (--zero1 is the same)
+    torchrun --nproc_per_node=8 ddp.py ... --zero 2              # and gradients / N
     python gpt2.py sample --init-from out/model.pt
 
 References: Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel
 Training" (section 3.2: bucketing, overlap, unused parameters, no_sync); Rajbhandari et al. 2020,
-"ZeRO" (section 5.1, P_os); Patarasuk & Yuan 2009 (the ring all-reduce bound); picotron's
-data_parallel.py.
+"ZeRO" (section 5.1: P_os = our ZeRO-1, P_os+g = our ZeRO-2; the paper reduces gradients to their
+owner, we reduce-scatter flat buckets, the same bytes); Patarasuk & Yuan 2009 (the ring all-reduce
+bound); picotron's data_parallel.py.
+Uses from gpt2.py: build_model, make_loaders, optimizer_groups, make_adamw, set_lr, evaluate, setup,
+CommMeter, Metrics, Profiler, the flat-collective names, fail / check_args / run_main.
 """
 import contextlib
 import math
@@ -113,6 +141,246 @@ def unique_params(params):
 
 def group_world():
     return (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data parallelism: bucketed all-reduce (or reduce-scatter) overlapped with backward
+
+
+class DataParallel(nn.Module):
+    """Wraps any module and keeps its replicas identical: the same start (a broadcast from rank 0) and
+    the same gradients (averaged across ranks) at every optimizer step.
+
+        model = DataParallel(net, bucket_mb=25)                        # zero=1 / 2: see sharded_optimizer
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)           # or ShardedOptimizer(...)
+        with model.no_sync(): model(x0).loss.backward()                # micro-steps but the last: local sums
+        model(x1).loss.backward()                                      # buckets reduce during this backward
+        model.finish_grad_sync(); opt.step(); opt.zero_grad()
+
+    forward is the module's; parameters() and state_dict() are the module's (a checkpoint loads into
+    the bare module). bucket_mb=None: one bucket for everything (starts only after backward); 0: one
+    bucket per parameter. A tied parameter is one Parameter (autograd sums its uses before its hook
+    fires, so it is reduced once, after both); frozen parameters are left out; a parameter that gets no
+    gradient on some rank contributes zeros, one that gets none on any rank keeps grad None, exactly as
+    in one process (the optimizer then skips it).
+
+    zero=1 (ZeRO-1) and zero=2 (ZeRO-2) need the optimizer from sharded_optimizer(): each bucket is
+    reduce-scattered, not all-reduced, straight into the optimizer's pieces. ZeRO-1 keeps the full
+    gradient buffer (4P bytes); ZeRO-2 allocates a bucket's buffer when its first gradient lands, and
+    frees it as soon as its reduce-scatter has finished: what stays is this rank's slice, 4P/N."""
+
+    def __init__(self, module, bucket_mb=25.0, zero=0, meter=None):
+        super().__init__()
+        if zero not in (0, 1, 2):
+            raise ValueError(f"DataParallel: zero is {zero}, expected 0, 1 or 2")
+        self.module, self.zero = module, zero
+        self.world, self.rank = group_world()
+        self.meter = meter if meter is not None else gpt2.CommMeter()
+        self.params = unique_params(p for p in module.parameters() if p.requires_grad)
+        if not self.params:
+            raise ValueError("DataParallel: the module has no parameter that requires grad")
+        self.names = {p: n for n, p in module.named_parameters()}
+        taken = [self.names[p] for p in self.params if getattr(p, "_data_parallel", False)]
+        if taken:  # two sets of hooks on one parameter would each take its gradient
+            raise ValueError(f"DataParallel: {taken[0]} is already in a DataParallel; close() that one first")
+        for p in self.params:
+            p._data_parallel = True
+        self.broadcast_from_rank0()
+        # reverse registration order is roughly the order backward finishes the gradients (last layer first)
+        cap = math.inf if bucket_mb is None else bucket_mb * 1e6
+        self.buckets = [Bucket(run, self.world) for run in bucket_params(list(reversed(self.params)), cap)]
+        self.where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self.optimizer = None  # ZeRO-1/2: the ShardedOptimizer whose pieces receive the reduced slices
+        self.live_grad_bytes, self.peak_grad_bytes = 0, 0  # gradient memory, measured (see track)
+        for b in self.buckets:
+            if zero < 2:
+                b.grads = self.track(b.new_buffer())
+            else:
+                b.shard_grads = self.track(torch.zeros(b.slice_numel, dtype=b.dtype, device=b.device))
+        self.sync, self.next_bucket = True, 0
+        self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+
+    def forward(self, *args, **kwargs):
+        if self.zero < 2:
+            # let autograd accumulate straight into the bucket (torch DDP's gradient_as_bucket_view):
+            # no second copy of a gradient, so the gradients cost 4P bytes, not 4P + the largest one
+            for b in self.buckets:
+                empty = [i for i, p in enumerate(b.params) if p.grad is None]
+                if len(empty) == len(b.params):
+                    b.grads.zero_()  # after zero_grad: one kernel per bucket, not one per parameter
+                for i in empty:
+                    view = b.view(b.grads, i)
+                    b.params[i].grad = view if len(empty) == len(b.params) else view.zero_()
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        return self.module.load_state_dict(state_dict, strict, assign)
+
+    def track(self, t):
+        """Count a gradient buffer just allocated (its bytes leave live_grad_bytes when freed); keeps the peak."""
+        self.live_grad_bytes += t.numel() * t.element_size()
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self.live_grad_bytes)
+        return t
+
+    def broadcast_from_rank0(self):
+        """Different seeds or a checkpoint read by one rank must not make the replicas differ."""
+        if self.world == 1:
+            return
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                dist.broadcast(t.detach(), src=0)
+                self.meter.broadcast(t.numel() * t.element_size(), self.world)
+
+    def sharded_optimizer(self, params, optimizer_cls, **kwargs):
+        """The ShardedOptimizer laid out on this object's buckets, so that a bucket's reduce-scatter
+        leaves each rank exactly the gradient slice its optimizer pieces need (needed for zero=1/2)."""
+        self.optimizer = ShardedOptimizer(params, optimizer_cls, layout=[b.params for b in self.buckets],
+                                          meter=self.meter, **kwargs)
+        return self.optimizer
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: the micro-steps before the last only add into p.grad. Averaging is
+        linear, so one reduction of the sum at the last micro-step gives the same mean as one per
+        micro-step, at 1/grad_accum of the traffic. Not with ZeRO-2: it keeps no full gradient to sum
+        into, so it reduce-scatters every micro-step (DeepSpeed refuses no_sync with ZeRO-2 likewise)."""
+        if self.zero == 2:
+            raise RuntimeError("no_sync with ZeRO-2: call finish_grad_sync after every micro-step instead")
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    def _grad_ready(self, p):
+        """Runs when autograd has written p's whole gradient for this backward (after all its uses)."""
+        bucket, i = self.where[p]
+        bucket.used[i] = True
+        if not self.sync:
+            return
+        if bucket.ready[i]:
+            raise RuntimeError(f"{self.names[p]} received a second gradient after it was reduced: call backward once "
+                               f"per micro-step (reentrant checkpointing of a shared weight does this)")
+        self.take_grad(bucket, i)
+        self._launch_ready_buckets()
+
+    def take_grad(self, b, i):
+        """Move parameter i's gradient (if any) into its bucket, divided by N on the way in (a mean, not a sum)."""
+        p, dst = b.params[i], None
+        if b.grads is None and len(b.params) == 1 and p.grad is not None and p.grad.numel() == b.numel \
+                and p.grad.is_contiguous():
+            b.grads = self.track(p.grad.view(-1))  # ZeRO-2, a parameter alone: its gradient IS the buffer
+            dst = b.grads
+        elif b.grads is None:  # ZeRO-2: the buffer exists from the bucket's first gradient to its reduction
+            b.grads = self.track(b.new_buffer())
+        if dst is None:
+            dst = b.view(b.grads, i)
+        if p.grad is not None and p.grad.data_ptr() != dst.data_ptr():
+            # autograd's own tensor and the bucket coexist for a moment
+            autograd_bytes = p.grad.numel() * p.grad.element_size()
+            self.peak_grad_bytes = max(self.peak_grad_bytes, self.live_grad_bytes + autograd_bytes)
+        if p.grad is None:
+            dst.zero_()
+        else:
+            torch.mul(p.grad.view_as(dst), 1.0 / self.world, out=dst)
+        p.grad = None  # the bucket holds it now (set again after the sync)
+        b.ready[i] = True
+
+    def _launch_ready_buckets(self):
+        """Launch complete buckets strictly in index order: collectives must be issued in the same
+        order on every rank, and a rank's hooks may complete buckets in a different order."""
+        while self.next_bucket < len(self.buckets) and all(self.buckets[self.next_bucket].ready):
+            k = self.next_bucket
+            b = self.buckets[k]
+            if self.zero == 2 and k > 0:
+                self._settle(self.buckets[k - 1], k - 1)  # one bucket reducing while the next one fills
+            if self.world > 1 and self.zero:
+                # in place: slice r of the buffer receives the mean of slice r over the ranks
+                S = b.slice_numel
+                b.work = reduce_scatter_single(b.grads[self.rank * S: (self.rank + 1) * S], b.grads, async_op=True)
+                self.meter.reduce_scatter(b.nbytes(), self.world)
+            elif self.world > 1:
+                b.work = dist.all_reduce(b.grads, async_op=True)
+                self.meter.all_reduce(b.nbytes(), self.world)
+            self.next_bucket += 1
+
+    def _settle(self, b, k):
+        """ZeRO-2: wait for bucket k's reduce-scatter, add this rank's slice into the gradient it keeps
+        (copy when the optimizer has no gradient for the bucket yet: the first micro-step), free the rest."""
+        if b.grads is None:
+            return
+        if b.work is not None:
+            b.work.wait()
+            b.work = None
+        S = b.slice_numel
+        mine = b.grads[self.rank * S: (self.rank + 1) * S]
+        if all(s.tensor.grad is None for s in self.optimizer.bucket_shards[k]):
+            b.shard_grads.copy_(mine)
+        else:
+            b.shard_grads.add_(mine)
+        self.live_grad_bytes -= b.grads.numel() * b.grads.element_size()
+        b.grads = None
+
+    def finish_grad_sync(self):
+        """After the last backward of the step (ZeRO-2: after every backward): reduce what is left,
+        wait for every bucket, then hand out the averaged gradients - plain: param.grad; ZeRO-1/2: the
+        ShardedOptimizer pieces' .grad. The optimizer step comes after this."""
+        if self.zero and self.optimizer is None:
+            raise RuntimeError(f"ZeRO-{self.zero}: build the optimizer with DataParallel.sharded_optimizer(...)")
+        used = []
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                if not b.ready[i]:  # no gradient in this backward: maybe one from no_sync micro-steps
+                    self.take_grad(b, i)
+                used.append(b.used[i])
+        self._launch_ready_buckets()
+        # which parameters got a gradient on SOME rank: those that got none anywhere keep grad None
+        # (one small all-reduce; torch's DDP does the same with find_unused_parameters=True)
+        used = torch.tensor(used, dtype=torch.int32, device=self.params[0].device)
+        if self.world > 1:
+            dist.all_reduce(used)
+            self.meter.all_reduce(used.numel() * used.element_size(), self.world)
+        used = iter(used.tolist())
+        anywhere = {}
+        for k, b in enumerate(self.buckets):
+            if self.zero == 2:
+                self._settle(b, k)
+            elif b.work is not None:
+                b.work.wait()
+            b.work, b.ready, b.used = None, [False] * len(b.params), [False] * len(b.params)
+            for i, p in enumerate(b.params):
+                anywhere[p] = next(used) > 0
+                if self.zero == 0:
+                    p.grad = b.view(b.grads, i) if anywhere[p] else None
+        if self.zero:
+            for s in self.optimizer.shards:
+                b = self.buckets[s.bucket]
+                if not anywhere[s.param]:
+                    if self.zero == 1:
+                        s.tensor.grad = None
+                    continue  # ZeRO-2: a gradient from an earlier micro-step of this step stays
+                if self.zero == 1:
+                    s.tensor.grad = b.grads[s.lo:s.hi]
+                else:
+                    base = self.rank * b.slice_numel
+                    s.tensor.grad = b.shard_grads[s.lo - base: s.hi - base]
+        self.next_bucket = 0
+
+    def clip_grad_norm_(self, max_norm):
+        """Clip to max_norm on the norm of the GLOBAL gradient (sharded: summed over the ranks' slices)."""
+        if self.zero:
+            return self.optimizer.clip_grad_norm_(max_norm)
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+
+    def close(self):
+        """Remove the hooks (the module trains alone again)."""
+        for h in self.hooks:
+            h.remove()
+        for p in self.params:
+            p._data_parallel = False
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -259,235 +527,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Data parallelism: bucketed all-reduce (or reduce-scatter) overlapped with backward
-
-
-class DataParallel(nn.Module):
-    """Wraps any module and keeps its replicas identical: the same start (a broadcast from rank 0) and
-    the same gradients (averaged across ranks) at every optimizer step.
-
-        model = DataParallel(net, bucket_mb=25)                        # zero=1 / 2: see sharded_optimizer
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)           # or ShardedOptimizer(...)
-        with model.no_sync(): model(x0).loss.backward()                # micro-steps but the last: local sums
-        model(x1).loss.backward()                                      # buckets reduce during this backward
-        model.finish_grad_sync(); opt.step(); opt.zero_grad()
-
-    forward is the module's; parameters() and state_dict() are the module's (a checkpoint loads into
-    the bare module). bucket_mb=None: one bucket for everything (starts only after backward); 0: one
-    bucket per parameter. A tied parameter is one Parameter (autograd sums its uses before its hook
-    fires, so it is reduced once, after both); frozen parameters are left out; a parameter that gets no
-    gradient on some rank contributes zeros, one that gets none on any rank keeps grad None, exactly as
-    in one process (the optimizer then skips it).
-
-    zero=1 (ZeRO-1) and zero=2 (ZeRO-2) need the optimizer from sharded_optimizer(): each bucket is
-    reduce-scattered, not all-reduced, straight into the optimizer's pieces. ZeRO-1 keeps the full
-    gradient buffer (4P bytes); ZeRO-2 allocates a bucket's buffer when its first gradient lands, and
-    frees it as soon as its reduce-scatter has finished: what stays is this rank's slice, 4P/N."""
-
-    def __init__(self, module, bucket_mb=25.0, zero=0, meter=None):
-        super().__init__()
-        if zero not in (0, 1, 2):
-            raise ValueError(f"DataParallel: zero is {zero}, expected 0, 1 or 2")
-        self.module, self.zero = module, zero
-        self.world, self.rank = group_world()
-        self.meter = meter if meter is not None else gpt2.CommMeter()
-        self.params = unique_params(p for p in module.parameters() if p.requires_grad)
-        if not self.params:
-            raise ValueError("DataParallel: the module has no parameter that requires grad")
-        self.names = {p: n for n, p in module.named_parameters()}
-        self.broadcast_from_rank0()
-        # reverse registration order is roughly the order backward finishes the gradients (last layer first)
-        cap = math.inf if bucket_mb is None else bucket_mb * 1e6
-        self.buckets = [Bucket(run, self.world) for run in bucket_params(list(reversed(self.params)), cap)]
-        self.where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self.optimizer = None  # ZeRO-1/2: the ShardedOptimizer whose pieces receive the reduced slices
-        self.live_grad_bytes, self.peak_grad_bytes = 0, 0  # gradient memory, measured (see track)
-        for b in self.buckets:
-            if zero < 2:
-                b.grads = self.track(b.new_buffer())
-            else:
-                b.shard_grads = self.track(torch.zeros(b.slice_numel, dtype=b.dtype, device=b.device))
-        self.sync, self.next_bucket = True, 0
-        self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
-
-    def forward(self, *args, **kwargs):
-        if self.zero < 2:
-            # let autograd accumulate straight into the bucket (torch DDP's gradient_as_bucket_view):
-            # no second copy of a gradient, so the gradients cost 4P bytes, not 4P + the largest one
-            for b in self.buckets:
-                for i, p in enumerate(b.params):
-                    if p.grad is None:
-                        p.grad = b.view(b.grads, i).zero_()
-        return self.module(*args, **kwargs)
-
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict=True, assign=False):
-        return self.module.load_state_dict(state_dict, strict, assign)
-
-    def track(self, t):
-        """Count a gradient buffer just allocated (its bytes leave live_grad_bytes when freed); keeps the peak."""
-        self.live_grad_bytes += t.numel() * t.element_size()
-        self.peak_grad_bytes = max(self.peak_grad_bytes, self.live_grad_bytes)
-        return t
-
-    def broadcast_from_rank0(self):
-        """Different seeds or a checkpoint read by one rank must not make the replicas differ."""
-        if self.world == 1:
-            return
-        with torch.no_grad():
-            for t in list(self.module.parameters()) + list(self.module.buffers()):
-                dist.broadcast(t.detach(), src=0)
-                self.meter.broadcast(t.numel() * t.element_size(), self.world)
-
-    def sharded_optimizer(self, params, optimizer_cls, **kwargs):
-        """The ShardedOptimizer laid out on this object's buckets, so that a bucket's reduce-scatter
-        leaves each rank exactly the gradient slice its optimizer pieces need (needed for zero=1/2)."""
-        self.optimizer = ShardedOptimizer(params, optimizer_cls, layout=[b.params for b in self.buckets],
-                                          meter=self.meter, **kwargs)
-        return self.optimizer
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Gradient accumulation: the micro-steps before the last only add into p.grad. Averaging is
-        linear, so one reduction of the sum at the last micro-step gives the same mean as one per
-        micro-step, at 1/grad_accum of the traffic. Not with ZeRO-2: it keeps no full gradient to sum
-        into, so it reduce-scatters every micro-step (DeepSpeed refuses no_sync with ZeRO-2 likewise)."""
-        if self.zero == 2:
-            raise RuntimeError("no_sync with ZeRO-2: call finish_grad_sync after every micro-step instead")
-        self.sync = False
-        try:
-            yield
-        finally:
-            self.sync = True
-
-    def _grad_ready(self, p):
-        """Runs when autograd has written p's whole gradient for this backward (after all its uses)."""
-        bucket, i = self.where[p]
-        bucket.used[i] = True
-        if not self.sync:
-            return
-        if bucket.ready[i]:
-            raise RuntimeError(f"{self.names[p]} received a second gradient after it was reduced: call backward once "
-                               f"per micro-step (reentrant checkpointing of a shared weight does this)")
-        self.take_grad(bucket, i)
-        self._launch_ready_buckets()
-
-    def take_grad(self, b, i):
-        """Move parameter i's gradient (if any) into its bucket, divided by N on the way in (a mean, not a sum)."""
-        p, dst = b.params[i], None
-        if b.grads is None and len(b.params) == 1 and p.grad is not None and p.grad.numel() == b.numel \
-                and p.grad.is_contiguous():
-            b.grads = self.track(p.grad.view(-1))  # ZeRO-2, a parameter alone: its gradient IS the buffer
-            dst = b.grads
-        elif b.grads is None:  # ZeRO-2: the buffer exists from the bucket's first gradient to its reduction
-            b.grads = self.track(b.new_buffer())
-        if dst is None:
-            dst = b.view(b.grads, i)
-        if p.grad is not None and p.grad.data_ptr() != dst.data_ptr():
-            # autograd's own tensor and the bucket coexist for a moment
-            self.peak_grad_bytes = max(self.peak_grad_bytes, self.live_grad_bytes + p.grad.numel() * p.grad.element_size())
-        if p.grad is None:
-            dst.zero_()
-        else:
-            torch.mul(p.grad.view_as(dst), 1.0 / self.world, out=dst)
-        p.grad = None  # the bucket holds it now (set again after the sync)
-        b.ready[i] = True
-
-    def _launch_ready_buckets(self):
-        """Launch complete buckets strictly in index order: collectives must be issued in the same
-        order on every rank, and a rank's hooks may complete buckets in a different order."""
-        while self.next_bucket < len(self.buckets) and all(self.buckets[self.next_bucket].ready):
-            k = self.next_bucket
-            b = self.buckets[k]
-            if self.zero == 2 and k > 0:
-                self._settle(self.buckets[k - 1], k - 1)  # one bucket reducing while the next one fills
-            if self.world > 1 and self.zero:
-                # in place: slice r of the buffer receives the mean of slice r over the ranks
-                S = b.slice_numel
-                b.work = reduce_scatter_single(b.grads[self.rank * S: (self.rank + 1) * S], b.grads, async_op=True)
-                self.meter.reduce_scatter(b.nbytes(), self.world)
-            elif self.world > 1:
-                b.work = dist.all_reduce(b.grads, async_op=True)
-                self.meter.all_reduce(b.nbytes(), self.world)
-            self.next_bucket += 1
-
-    def _settle(self, b, k):
-        """ZeRO-2: wait for bucket k's reduce-scatter, add this rank's slice into the gradient it keeps
-        (copy when the optimizer has no gradient for the bucket yet: the first micro-step), free the rest."""
-        if b.grads is None:
-            return
-        if b.work is not None:
-            b.work.wait()
-            b.work = None
-        S = b.slice_numel
-        mine = b.grads[self.rank * S: (self.rank + 1) * S]
-        if all(s.tensor.grad is None for s in self.optimizer.bucket_shards[k]):
-            b.shard_grads.copy_(mine)
-        else:
-            b.shard_grads.add_(mine)
-        self.live_grad_bytes -= b.grads.numel() * b.grads.element_size()
-        b.grads = None
-
-    def finish_grad_sync(self):
-        """After the last backward of the step (ZeRO-2: after every backward): reduce what is left,
-        wait for every bucket, then hand out the averaged gradients - plain: param.grad; ZeRO-1/2: the
-        ShardedOptimizer pieces' .grad. The optimizer step comes after this."""
-        if self.zero and self.optimizer is None:
-            raise RuntimeError(f"ZeRO-{self.zero}: build the optimizer with DataParallel.sharded_optimizer(...)")
-        used = []
-        for b in self.buckets:
-            for i, p in enumerate(b.params):
-                if not b.ready[i]:  # no gradient in this backward: maybe one from no_sync micro-steps
-                    self.take_grad(b, i)
-                used.append(b.used[i])
-        self._launch_ready_buckets()
-        # which parameters got a gradient on SOME rank: those that got none anywhere keep grad None
-        # (one small all-reduce; torch's DDP does the same with find_unused_parameters=True)
-        used = torch.tensor(used, dtype=torch.int32, device=self.params[0].device)
-        if self.world > 1:
-            dist.all_reduce(used)
-            self.meter.all_reduce(used.numel() * used.element_size(), self.world)
-        used = iter(used.tolist())
-        anywhere = {}
-        for k, b in enumerate(self.buckets):
-            if self.zero == 2:
-                self._settle(b, k)
-            elif b.work is not None:
-                b.work.wait()
-            b.work, b.ready, b.used = None, [False] * len(b.params), [False] * len(b.params)
-            for i, p in enumerate(b.params):
-                anywhere[p] = next(used) > 0
-                if self.zero == 0:
-                    p.grad = b.view(b.grads, i) if anywhere[p] else None
-        if self.zero:
-            for s in self.optimizer.shards:
-                b = self.buckets[s.bucket]
-                if not anywhere[s.param]:
-                    if self.zero == 1:
-                        s.tensor.grad = None
-                    continue  # ZeRO-2: a gradient from an earlier micro-step of this step stays
-                if self.zero == 1:
-                    s.tensor.grad = b.grads[s.lo:s.hi]
-                else:
-                    base = self.rank * b.slice_numel
-                    s.tensor.grad = b.shard_grads[s.lo - base: s.hi - base]
-        self.next_bucket = 0
-
-    def clip_grad_norm_(self, max_norm):
-        """Clip to max_norm on the norm of the GLOBAL gradient (sharded: summed over the ranks' slices)."""
-        if self.zero:
-            return self.optimizer.clip_grad_norm_(max_norm)
-        return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-
-    def close(self):
-        """Remove the hooks (the module trains alone again)."""
-        for h in self.hooks:
-            h.remove()
-
-
-# ----------------------------------------------------------------------------------------------------
 # Training
 
 
@@ -595,17 +634,17 @@ def memory_per_rank(ddp, opt):
 
 def report(args, world, ddp, opt, comm, device):
     grad_mb = sum(q.numel() * q.element_size() for q in ddp.params) / 1e6
-    steady = comm[1:] or comm
     ring = 2 * (world - 1) / world * grad_mb
     if args.zero == 2:  # one reduce-scatter per micro-step, one all-gather per step
         closed, how = (args.grad_accum + 1) * (world - 1) / world * grad_mb, f"({args.grad_accum}+1)(N-1)/N"
     else:
         closed, how = ring, "2(N-1)/N"
-    print0(f"comm per step: {sum(steady) / len(steady):.3f} MB sent per rank | closed form {how} x {grad_mb:.3f} MB "
+    print0(f"comm per step: {sum(comm) / len(comm):.3f} MB sent per rank | closed form {how} x {grad_mb:.3f} MB "
            f"of gradients = {closed:.3f} MB")
     measured, form = memory_per_rank(ddp, opt)
     setup = f"ZeRO-{args.zero}" if args.zero else "plain"
-    print0(f"memory per rank ({setup}, MB): " + " | ".join(f"{k} {measured[k]:.3f} (closed {form[k]:.3f})" for k in measured)
+    parts = [f"{k} {measured[k]:.3f} (closed {form[k]:.3f})" for k in measured]
+    print0(f"memory per rank ({setup}, MB): " + " | ".join(parts)
            + f" | total {sum(measured.values()):.3f} (closed {sum(form.values()):.3f})")
     if device.type == "cuda":
         print0(f"CUDA peak allocated (with activations): {torch.cuda.max_memory_allocated(device) / 1e6:.1f} MB")

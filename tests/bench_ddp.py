@@ -56,8 +56,10 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
     on rank 0 of torch's fake process group (collectives are no-ops; CommMeter counts the bytes of the
     calls really issued), with a 1 x 32-token batch (the bytes and buffers do not depend on the batch)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    if not dist.is_initialized():
+    own_group = not dist.is_initialized()
+    if own_group:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    assert dist.get_world_size() == world, "an existing process group has another world size"
     torch.manual_seed(0)
     cfg = gpt2.MODELS["gpt2"]
     act, weight_copies = activation_mb(cfg, batch_size, seq_len)
@@ -89,6 +91,8 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
         dp.close()
         del model, dp, opt
         gc.collect()
+    if own_group:  # the caller may run other files' fake groups next
+        dist.destroy_process_group()
     return rows
 
 
@@ -97,9 +101,9 @@ def print_per_rank_124m():
     print(f"{'setup':18s} {'comm MB':>9s} {'closed':>9s} {'params':>8s} {'grads':>8s} {'AdamW':>8s} {'p+g+o':>8s} "
           f"{'closed':>8s} {'act bf16':>9s}")
     for r in rows:
-        print(f"{r['setup']:18s} {r['comm_MB']:9.1f} {r['comm_MB_closed']:9.1f} {r['params_MB']:8.1f} {r['grads_MB']:8.1f} "
-              f"{r['optim_MB']:8.1f} {r['params_MB'] + r['grads_MB'] + r['optim_MB']:8.1f} {r['mem_MB_closed']:8.1f} "
-              f"{r['act_MB']:9.1f}")
+        total = r["params_MB"] + r["grads_MB"] + r["optim_MB"]
+        print(f"{r['setup']:18s} {r['comm_MB']:9.1f} {r['comm_MB_closed']:9.1f} {r['params_MB']:8.1f} "
+              f"{r['grads_MB']:8.1f} {r['optim_MB']:8.1f} {total:8.1f} {r['mem_MB_closed']:8.1f} {r['act_MB']:9.1f}")
     print(f"(MB per rank per optimizer step; {rows[0]['how']})")
 
 

@@ -1,7 +1,8 @@
-"""ddp.py: the 2-rank run reproduces `gpt2.py train` step by step (plain, ZeRO-1, ZeRO-2, grad
-accumulation, bf16 within a stated tolerance, --compile equal to eager), sends the closed-form bytes, and
-its memory per rank equals the closed form; DataParallel and ShardedOptimizer on a toy model with tied,
-frozen and unused parameters match non-parallel training and torch's DistributedDataParallel."""
+"""ddp.py: the 2-rank run reproduces `gpt2.py train` step by step (plain; ZeRO-2 with grad accumulation,
+fp32; ZeRO-1 with grad accumulation in bf16, within a stated tolerance; --compile equal to eager), sends
+the closed-form bytes, and its memory per rank equals the closed form; DataParallel and ShardedOptimizer
+on a toy model with tied, frozen and unused parameters match non-parallel training and torch's
+DistributedDataParallel."""
 import contextlib
 import os
 from types import SimpleNamespace
@@ -57,47 +58,42 @@ def test_two_ranks_match_one_process(random_data, baseline, tmp_path):
     assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
 
 
-def test_zero1_with_grad_accum_matches_one_process(random_data, baseline, tmp_path):
-    # 2 ranks x 2 rows x 2 micro-steps: micro-step m reads global rows [4m, 4m+4) of the 8-row batch
-    out = str(tmp_path / "zero1")
-    proc = run_cli(["ddp.py"] + CFG + ["--data", random_data, "--steps", "12", "--batch-size", "2", "--grad-accum", "2",
-                                       "--zero1", "--bucket-mb", "2", "--overlap-steps", "0", "--out", out], nproc=2)
-    assert max_rel_diff(train_losses(out), train_losses(baseline)) <= 1e-5  # (val batches are 2 rows here, not 4)
-    recs = [r for r in read_metrics(out) if "loss" in r]
-    ring = 2 * (2 - 1) / 2 * gradient_mb()
-    # reduce-scatter + all-gather = one all-reduce, and no_sync keeps it to one per step, not per micro-step
-    assert len(recs) == 12 and all(abs(r["comm_mb"] - ring) <= 0.1 * ring for r in recs), (recs[0]["comm_mb"], ring)
-    assert abs(recs[0]["opt_state_mb"] - gradient_mb()) <= 0.05 * gradient_mb()  # half the replicated state
-    assert "| ZeRO-1 |" in proc.stdout
-
-
 def test_zero2_with_grad_accum_matches_one_process(random_data, baseline, tmp_path):
     out = str(tmp_path / "zero2")
     proc = run_cli(["ddp.py"] + CFG + ["--data", random_data, "--steps", "12", "--batch-size", "2", "--grad-accum", "2",
-                                       "--zero", "2", "--bucket-mb", "2", "--overlap-steps", "0", "--out", out], nproc=2)
+                                       "--zero", "2", "--bucket-mb", "2", "--overlap-steps", "0", "--out", out],
+                   nproc=2)
     assert max_rel_diff(train_losses(out), train_losses(baseline)) <= 1e-5
     recs = [r for r in read_metrics(out) if "loss" in r]
     g = gradient_mb()
     closed = (2 + 1) * (2 - 1) / 2 * g  # a reduce-scatter per micro-step (no no_sync in ZeRO-2) + one all-gather
-    assert len(recs) == 12 and all(abs(r["comm_mb"] - closed) <= 0.02 * closed for r in recs[1:]), (recs[1]["comm_mb"], closed)
-    # gradients: 4P/N kept + the bucket being reduced (the largest: wte, 50257 x 32 fp32, alone) + the one
+    assert len(recs) == 12 and all(abs(r["comm_mb"] - closed) <= 0.02 * closed for r in recs), recs[0]["comm_mb"]
+    # gradients: 4P/N kept + the bucket being reduced (the largest: wte, 50304 x 32 fp32, alone) + the one
     # before it still in flight; plain and ZeRO-1 keep 4P
-    wte = 4 * 50257 * 32 / 1e6
+    wte = 4 * 50304 * 32 / 1e6
     assert g / 2 + wte <= recs[0]["grad_peak_mb"] <= g / 2 + wte + 0.05 * g, (recs[0]["grad_peak_mb"], g)
     assert abs(recs[0]["opt_state_mb"] - g) <= 0.05 * g
     assert "memory per rank (ZeRO-2, MB)" in proc.stdout
 
 
-def test_bf16_two_ranks_near_gpt2_bf16(random_data, tmp_path):
-    # bf16 autocast, fp32 master weights and gradients: a rank's matmuls see 4 rows instead of 8, so the
-    # bf16 rounding differs a little from one process; 3 steps stay within 2e-4 relative
+def test_zero1_bf16_with_grad_accum_near_gpt2_bf16(random_data, tmp_path):
+    # bf16 autocast, fp32 master weights and gradients: 2 ranks x 2 rows x 2 micro-steps, so the matmuls
+    # see 2 rows instead of 8 and the bf16 rounding may differ a little from one process (measured 7.0e-7
+    # relative over 3 steps; 5e-5 allowed). --zero1 is the alias of --zero 1, the fused reduce-scatter path.
     base = str(tmp_path / "base16")
     gpt2.train(CFG + ["--data", random_data, "--batch-size", "8", "--steps", "3", "--eval-every", "0",
                       "--dtype", "bfloat16", "--out", base])
-    out = str(tmp_path / "ddp16")
-    run_cli(["ddp.py"] + CFG + ["--data", random_data, "--steps", "3", "--batch-size", "4", "--eval-every", "0",
-                                "--dtype", "bfloat16", "--overlap-steps", "0", "--out", out], nproc=2)
-    assert max_rel_diff(train_losses(out), train_losses(base)) <= 2e-4
+    out = str(tmp_path / "zero1")
+    proc = run_cli(["ddp.py"] + CFG + ["--data", random_data, "--steps", "3", "--batch-size", "2", "--grad-accum", "2",
+                                       "--eval-every", "0", "--dtype", "bfloat16", "--zero1", "--overlap-steps", "0",
+                                       "--out", out], nproc=2)
+    assert max_rel_diff(train_losses(out), train_losses(base)) <= 5e-5
+    recs = [r for r in read_metrics(out) if "loss" in r]
+    ring = 2 * (2 - 1) / 2 * gradient_mb()
+    # reduce-scatter + all-gather = one all-reduce, and no_sync keeps it to one per step, not per micro-step
+    assert len(recs) == 3 and all(abs(r["comm_mb"] - ring) <= 0.1 * ring for r in recs), (recs[0]["comm_mb"], ring)
+    assert abs(recs[0]["opt_state_mb"] - gradient_mb()) <= 0.05 * gradient_mb()  # half the replicated state
+    assert "| ZeRO-1 |" in proc.stdout
 
 
 def test_one_process_and_bad_input(random_data, baseline, tmp_path, monkeypatch):
@@ -106,7 +102,7 @@ def test_one_process_and_bad_input(random_data, baseline, tmp_path, monkeypatch)
     ddp.main(CFG + ["--data", random_data, "--steps", "3", "--batch-size", "8", "--eval-every", "0", "--zero1",
                     "--out", str(tmp_path / "one")])
     assert max_rel_diff(train_losses(str(tmp_path / "one")), train_losses(baseline)[:3]) <= 1e-5
-    # --compile (block by block, hooks and buckets around it) equals eager at steps 0-2
+    # --compile (block by block, hooks and buckets around it) equals eager at steps 0-2 (measured: bitwise)
     ddp.main(CFG + ["--data", random_data, "--steps", "3", "--batch-size", "8", "--eval-every", "0", "--compile",
                     "--zero", "2", "--out", str(tmp_path / "compiled")])
     assert max_rel_diff(train_losses(str(tmp_path / "compiled")), train_losses(baseline)[:3]) <= 1e-6
@@ -237,8 +233,13 @@ def check_module_api(rank, world):
     same_params = [id(p) for p in dp.parameters()] == [id(p) for p in model.parameters()]
     same_keys = list(dp.state_dict()) == list(model.state_dict())
     dp.load_state_dict(model.state_dict())
+    try:
+        ddp.DataParallel(model)  # a second wrapper would steal the first one's gradients
+        refused = False
+    except ValueError:
+        refused = True
     dp.close()
-    return same_out and same_params and same_keys
+    return same_out and same_params and same_keys and refused
 
 
 TOY = [("torch", 0, "adamw"), ("plain", 0.0, "adamw"), ("plain", 0.0004, "adamw"), ("plain", 25.0, "adamw"),
