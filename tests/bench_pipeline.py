@@ -18,6 +18,7 @@ allocator's peak; CPU: resident memory, with glibc told to return every block ov
 "now" is pipeline.py, "before" the same run keeping what it used to keep (every sent stage output until
 the end of the step, the logits on the I/W tape, fp32 messages).
 """
+import collections
 import copy
 import ctypes
 import gc
@@ -194,9 +195,90 @@ def main():
             mem = " ".join(f"{b:.1f}->{n:.1f}" for b, n in peaks)
             print(f"{name:11s} {M:3d} {ms:8.1f} {st['bubble']:7.3f} {st['simulated']:6.3f} {paired}  {mem:34s} "
                   f"{st['closed']}")
-        print(f"1f1b step: ours {ours_1f1b:.1f} ms | torch Schedule1F1B {torch_ms:.1f} ms | ours/torch {ours_1f1b / torch_ms:.2f}")
+        print(f"1f1b step: ours {ours_1f1b:.1f} ms | torch Schedule1F1B {torch_ms:.1f} ms | "
+              f"ours/torch {ours_1f1b / torch_ms:.2f}")
     dist.destroy_process_group()
 
+
+def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
+    """GPT-2 124M at `world` ranks, pipeline rank 0 (the one holding the embedding), one dict per schedule.
+    Torch's fake process group (collectives are no-ops, so received tensors are garbage: only sizes matter).
+    Parameters, gradients and AdamW state are measured from the tensors this rank allocates; bytes sent are
+    counted by the file's CommMeter over one step at M micro-batches of ONE row of T/4 tokens each (the
+    point-to-point part scaled linearly to batch_size rows of seq_len tokens, the all-reduces measured as
+    they are); activations are the bytes saved for backward (torch.autograd.graph.saved_tensors_hooks,
+    parameters excluded, bf16 autocast) at the peak of micro-batches held, scaled the same way (linear in
+    rows and tokens: SDPA saves O(T) per head, not the T x T scores)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    layouts = [("gpipe", 4, 4, 2), ("1f1b", 4, 4, 2), ("zbh1", 4, 4, 2), ("interleaved", 4, 4, 3),
+               ("dualpipe", 4, 8, 2), ("dualpipev", 2, 4, 2)]  # (schedule, P, M, V): 12 layers split evenly
+    rows, T = [], seq_len // 4
+    for name, P, M, V in layouts:
+        D = world // P
+        args = pl.make_parser().parse_args([
+            "--model", "gpt2", "--schedule", name, "--micro-batches", str(M), "--virtual-stages", str(V),
+            "--batch-size", str(M), "--seq-len", str(T), "--dp", str(D), "--device", "cpu",
+            "--dtype", "bfloat16", "--out", os.path.join("out", "per_rank_124m")])
+        ctx = gpt2.Context(0, world, 0, torch.device("cpu"), torch.bfloat16, True)
+        comm = gpt2.CommMeter()
+        pipe = pl.Pipeline(args, ctx, P, comm)
+        params = list(pipe.model.parameters())
+        param_ptrs = {p.data_ptr() for p in params}
+        saved, per_mb = {}, collections.Counter()
+
+        def pack(t):
+            if t.data_ptr() not in param_ptrs and (key := pipe.current) is not None:
+                saved.setdefault(key, {})[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        pipe.current = None
+        forward = pipe._forward
+
+        def counted(op, xs, ys):
+            pipe.current = (op.stage, op.mb)
+            forward(op, xs, ys)
+            pipe.current = None
+        pipe._forward = counted
+        x = torch.randint(0, 50257, (M, T))
+        scale = batch_size / M * seq_len / T
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            pipe.run(x, x, 1.0 / M, timed=False)
+        p2p = comm.take_mb() * scale
+        pipe.sync_grads()  # allocates the gradients and counts the tied-embedding and replica all-reduces
+        opt = gpt2.make_adamw(gpt2.optimizer_groups(pipe.model, 0.1), args, ctx.device)
+        opt.step()  # AdamW allocates its state on the first step
+        ar = comm.take_mb()
+        for (stage, mb), storages in saved.items():
+            per_mb[stage] = max(per_mb[stage], sum(storages.values()))
+        mb_bytes = sum(per_mb.values())  # one micro-batch through all of this rank's stages
+        held = pipe.peak_held / len(pipe.my_stages)
+        n = sum(p.numel() for p in params)
+        state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim() > 0)
+        # messages rank 0 sends per step, in batches of (batch_size, seq_len, 768) bf16: 1f1b & co. one activation
+        # batch; interleaved V activations and V-1 gradients; dualpipe half a batch each way; dualpipev two
+        sends = {"interleaved": 2 * V - 1, "dualpipe": 1, "dualpipev": 2}.get(name, 1)
+        copies = D * (2 if name == "dualpipe" else 1)  # ranks holding the same parameters
+        rows.append({
+            "setup": f"pipeline.py --schedule {name} (P={P} x D={D}" + (f", V={V})" if name == "interleaved" else ")"),
+            "comm_MB": p2p + ar,
+            "comm_MB_closed": sends * batch_size * seq_len * 768 * 2 / 1e6 + 2 * (copies - 1) / copies * n * 4 / 1e6
+            + (50304 * 768 * 4 / 1e6 if name not in ("dualpipe", "dualpipev") else 0),
+            "params_MB": n * 4 / 1e6, "grads_MB": sum(p.grad.numel() * 4 for p in params) / 1e6,
+            "optim_MB": state / 1e6,
+            "act_MB": mb_bytes * held * scale / 1e6,
+            "mem_MB_closed": 16 * n / 1e6,
+            "how": f"fake PG rank 0 of {world}, CPU, M={M} micro-batches of 1 x {T} tokens, scaled x{scale:g}"})
+    dist.destroy_process_group()
+    return rows
+
+
+if __name__ == "__main__" and "--per-rank-124m" in sys.argv:
+    keys = ["comm_MB", "comm_MB_closed", "params_MB", "grads_MB", "optim_MB", "act_MB", "mem_MB_closed"]
+    print(f"{'setup':44s} " + " ".join(f"{k:>14s}" for k in keys) + "  how")
+    for row in per_rank_124m():
+        print(f"{row['setup']:44s} " + " ".join(f"{row[k]:14.1f}" for k in keys) + f"  {row['how']}")
+    sys.exit(0)
 
 if __name__ == "__main__":
     main()

@@ -114,6 +114,9 @@ def test_bubbles_by_simulation():
         one = pl.bubble_fraction(pl.simulate(pl.op_lists("1f1b", P, 2 * P), cost))
         for name in ("dualpipe", "dualpipev"):
             assert pl.bubble_fraction(pl.simulate(pl.op_lists(name, P, 2 * P), cost)) < one / 2
+    for name in ("1f1b", "dualpipev"):  # the docstring's pictures are simulate()'s
+        for r, row in enumerate(pl.ascii_timeline(name, 4, 8)):
+            assert f"rank{r} {row}" in pl.__doc__, (name, r, row)
     bad = [pl.Op("B", 0, 0), pl.Op("F", 0, 0)]  # a backward before its forward cannot run
     with pytest.raises(RuntimeError, match="deadlock"):
         pl.simulate([bad, pl.one_f_one_b(2, 1, 1)], cost)
@@ -133,7 +136,6 @@ def nccl_p2p_check(batches):
             for kind, peer, tag, nbytes in batch:
                 pair = (r, peer) if kind == "send" else (peer, r)
                 where[pair + (kind,)].append((j, tag, nbytes))
-    match = {}  # (rank, batch, op index) -> (peer, the batch holding the match)
     for (src, dst, kind) in list(where):
         if kind != "send":
             continue
