@@ -204,17 +204,17 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
     """GPT-2 124M at `world` ranks, pipeline rank 0 (the one holding the embedding), one dict per schedule.
     Torch's fake process group (collectives are no-ops, so received tensors are garbage: only sizes matter).
     Parameters, gradients and AdamW state are measured from the tensors this rank allocates; bytes sent are
-    counted by the file's CommMeter over one step at M micro-batches of ONE row of T/4 tokens each (the
-    point-to-point part scaled linearly to batch_size rows of seq_len tokens, the all-reduces measured as
-    they are); activations are the bytes saved for backward (torch.autograd.graph.saved_tensors_hooks,
-    parameters excluded, bf16 autocast) at the peak of micro-batches held, scaled the same way (linear in
-    rows and tokens: SDPA saves O(T) per head, not the T x T scores)."""
+    counted by the file's CommMeter over one step at M micro-batches of ONE row of seq_len tokens each (the
+    point-to-point part scaled linearly to batch_size rows, the all-reduces measured as they are);
+    activations are the bytes saved for backward (torch.autograd.graph.saved_tensors_hooks, parameters
+    and autocast's bf16 copies of them excluded, bf16 autocast) at the peak of micro-batches held, scaled
+    the same way (rows are independent, so both are exactly linear in them)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     layouts = [("gpipe", 4, 4, 2), ("1f1b", 4, 4, 2), ("zbh1", 4, 4, 2), ("interleaved", 4, 4, 3),
                ("dualpipe", 4, 8, 2), ("dualpipev", 2, 4, 2)]  # (schedule, P, M, V): 12 layers split evenly
-    rows, T = [], seq_len // 4
+    rows, T = [], seq_len
     for name, P, M, V in layouts:
         D = world // P
         args = pl.make_parser().parse_args([
@@ -226,10 +226,11 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
         pipe = pl.Pipeline(args, ctx, P, comm)
         params = list(pipe.model.parameters())
         param_ptrs = {p.data_ptr() for p in params}
+        param_shapes = {tuple(p.shape) for p in params}  # and their bf16 copies that autocast saves
         saved, per_mb = {}, collections.Counter()
 
         def pack(t):
-            if t.data_ptr() not in param_ptrs and (key := pipe.current) is not None:
+            if t.data_ptr() not in param_ptrs and tuple(t.shape) not in param_shapes and (key := pipe.current) is not None:
                 saved.setdefault(key, {})[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
         pipe.current = None
