@@ -60,7 +60,10 @@ the same on a fake process group; `1f1b` rank 0 of P=4 x D=2):
     rank 0 parameters = wte 38.63M + wpe 0.79M + 3 blocks x 7.09M = 60.7M -> 243 MB fp32, grads 243 MB,
       AdamW 486 MB (16 B/param: 971 MB) vs 1991 MB for ddp.py's whole model
     data parallel all-reduce of rank 0's gradients over D=2 = 243 MB sent; total sent ~ 25 + 155 + 243 = 423 MB
-    activations saved: P - rank = 4 micro-batches of 4 rows in flight on rank 0 (1F1B), 1/P of the blocks each
+    activations saved for backward (bf16, M=4): all 4 micro-batches of 4 rows in flight on rank 0 (1F1B holds
+      P - rank), 3 blocks each: 1382 MB measured = 28.8 MB per row per block (Korthikanti et al.: 34 T C = 26.7 MB)
+    the whole table (every schedule; dualpipev P=2 rank 0: 1311 MB of state, 542 MB sent, 4592 MB activations):
+      python tests/bench_pipeline.py --per-rank-124m
 
 Launch (the tiny model on CPU; add --device cuda for GPUs, where bf16 autocast and flash attention apply):
     torchrun --nproc_per_node=2 pipeline.py --schedule 1f1b --micro-batches 4 --batch-size 8
