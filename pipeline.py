@@ -1,21 +1,22 @@
 """
-pipeline.py - pipeline parallelism from point-to-point messages: GPipe, 1F1B, DualPipe and DualPipeV,
-with every op timed, the bubble measured and the schedule drawn.
+pipeline.py - pipeline parallelism from point-to-point messages: GPipe, 1F1B, ZB-H1, interleaved 1F1B,
+DualPipe and DualPipeV, with an NCCL-safe message plan, every op timed, the bubble measured and drawn.
 
-The idea: cut GPT-2's stack of blocks into stages and give each rank one (or two) of them. The batch is
+The idea: cut GPT-2's stack of blocks into stages and give each rank one (or a few) of them. The batch is
 split into M micro-batches that stream through the stages: while rank 1 runs its blocks on micro-batch
-0, rank 0 already runs its blocks on micro-batch 1. Only the activation at each cut (B/M x T x E) moves
+0, rank 0 already runs its blocks on micro-batch 1. Only the activation at each cut (B/M x T x C) moves
 forward, and its gradient moves back. The *schedule* is the order in which a rank runs forwards (F) and
 backwards (B), or backwards split into the input gradient (I, what DualPipe calls B) and the weight
 gradient (W), which has no consumer downstream and so can wait to fill a gap. The idle time a schedule
-leaves is its bubble. Here every schedule is a plain function that returns each rank's list of ops; one
-executor runs any such list, moves tensors with batch_isend_irecv, times each op, and the last step is
-drawn to OUT/schedule.png beside the closed-form bubble.
+leaves is its bubble. Here every schedule is a plain function that returns each rank's list of ops; from
+all ranks' lists, plan_messages lays out every batch_isend_irecv of the step in advance (a pure function,
+checked against a model of NCCL's point-to-point rules in tests/), and one executor runs any list.
 
-    gpipe / 1f1b, P=4 (12 layers):  stage s on rank s
+    gpipe / 1f1b / zbh1, P=4 (12 layers):  stage s on rank s
       rank0 [wte wpe h0-2] --act--> rank1 [h3-5] --act--> rank2 [h6-8] --act--> rank3 [h9-11 ln_f lm_head]
                            <-grad--             <-grad--             <-grad--
       lm_head is tied to wte: rank0 and rank3 each keep a copy and sum their gradients every step.
+    interleaved, P=4, V=3: rank r holds stages r, r+4, r+8 (one block each): a micro-batch goes round 3 times
     dualpipe, P=4: rank r holds stage r AND stage P-1-r (two copies of every stage, grads summed in pairs)
       direction 0, mb 0..M/2-1:  rank0 S0 -> rank1 S1 -> rank2 S2 -> rank3 S3 -> loss on rank3
       direction 1, mb M/2..M-1:  rank3 S0 -> rank2 S1 -> rank1 S2 -> rank0 S3 -> loss on rank0
@@ -24,16 +25,60 @@ drawn to OUT/schedule.png beside the closed-form bubble.
       rank0 S7 <- rank1 S6 <- rank2 S5 <- rank3 S4 <-+      the tied wte are on rank0 (one tensor).
     --dp D: D pipeline replicas (rank = replica * P + stage rank), gradients averaged across replicas.
 
+Timelines at P=4, M=8, one character per forward's time (F=1, B=2, I=W=1; lower case: the way back up
+the V; '.' idle), as simulate() lays them out and tests/ checks:
+    1F1B   rank0 FFFF......BBFBBFBBFBBFBB.BB.BB.BB     idle per rank (P-1)(F+B) = 9 of 33
+           rank1 .FFF....BBFBBFBBFBBFBBFBB.BB.BB..
+           rank2 ..FF..BBFBBFBBFBBFBBFBBFBB.BB....
+           rank3 ...FBBFBBFBBFBBFBBFBBFBBFBB......
+    DualPipeV rank0 FFFFFFFfiwfiwfiwfFbbfBBbbf.BBbbf.BBbbf.BBbbIWIWIWIW   idle 3 of 51 per rank, each rank
+              rank1 .FFFFFfFfiwfiwfFbbfBBFbbfBBbbf.BBbbf.BBbbBBiIwIWIWW   doing twice 1F1B's work (2P stages)
+              rank2 ..FFFfFfFfiwfFbbfBBFbbfBBFbbfBBbbf.BBbbBBbbIiIWIwWW
+              rank3 ...FfFfFfFfFbbfBBFbbfBBFbbfBBFbbfBBbbBBbbBBiIiIwWwW
+
+Why DualPipe exists, and what this file does not do. DeepSeek-V3 (section 3.2.1) built DualPipe for
+expert parallelism: each MoE layer's dispatch and combine all-to-alls cost about as much as its compute,
+so DualPipe pairs the forward of one micro-batch with the backward of another (the F&B pairs of its
+main phase) and runs them as one unit on two CUDA streams, each chunk's all-to-all and pipeline sends
+hidden under the other chunk's compute. Its bubble, (PP/2-1)(F&B+B-3W) per rank (table 2), assumes that
+unit. This file has no all-to-all (GPT-2 is dense) and runs F then B on one stream; it overlaps only
+the point-to-point messages (in flight while the next op computes) and nothing inside an op. simulate()
+models both: paired=True (F&B as one unit) reproduces table 2's formula exactly, the executor's own
+order idles half of it at F=1, B=2, W=1 (tests/), and report() prints both, labelled. What this file
+keeps of DualPipe is the schedule: two directions (or the V) and W's that fill the ramps.
+
+Messages and memory. An activation crossing a boundary is (B/M, T, C) in the run's compute dtype (bf16
+on GPUs, received back into the fp32 residual stream); the whole batch crosses each boundary once
+forward and once back. A stage's output is freed as soon as its send is done (backward keeps only the
+graph behind it, as Megatron-LM's deallocate_output_tensor does); the I/W tape keeps, per matmul and
+LayerNorm, its input and where its output's gradient arrives, never the output (the logits among them).
+
+GPT-2 124M at 8 ranks, B=16 x T=1024 per replica (tests/bench_pipeline.py --per-rank-124m measures
+the same on a fake process group; `1f1b` rank 0 of P=4 x D=2):
+    activation per boundary per step = 2 (fwd+bwd) x 16 x 1024 x 768 x 2 B (bf16) = 50.3 MB (25.2 MB sent)
+    tied wte all-reduce, rank 0 <-> rank P-1 = 50304 x 768 x 4 B = 154.5 MB per step (2 ranks: each sends it once)
+    rank 0 parameters = wte 38.63M + wpe 0.79M + 3 blocks x 7.09M = 60.7M -> 243 MB fp32, grads 243 MB,
+      AdamW 486 MB (16 B/param: 971 MB) vs 1991 MB for ddp.py's whole model
+    data parallel all-reduce of rank 0's gradients over D=2 = 243 MB sent; total sent ~ 25 + 155 + 243 = 423 MB
+    activations saved for backward (bf16, M=4): all 4 micro-batches of 4 rows in flight on rank 0 (1F1B holds
+      P - rank), 3 blocks each: 1382 MB measured = 28.8 MB per row per block (Korthikanti et al.: 34 T C = 26.7 MB)
+    the whole table (every schedule; dualpipev P=2 rank 0: 1311 MB of state, 542 MB sent, 4592 MB activations):
+      python tests/bench_pipeline.py --per-rank-124m
+
 Launch (the tiny model on CPU; add --device cuda for GPUs, where bf16 autocast and flash attention apply):
     torchrun --nproc_per_node=2 pipeline.py --schedule 1f1b --micro-batches 4 --batch-size 8
+    torchrun --nproc_per_node=2 pipeline.py --schedule zbh1 --micro-batches 4 --batch-size 8
+    torchrun --nproc_per_node=2 pipeline.py --schedule interleaved --virtual-stages 2 --micro-batches 4 --batch-size 8
     torchrun --nproc_per_node=4 pipeline.py --schedule dualpipe --micro-batches 8
-    torchrun --nproc_per_node=4 pipeline.py --schedule dualpipev --micro-batches 8 --n-layer 8
+    torchrun --nproc_per_node=4 pipeline.py --schedule dualpipev --micro-batches 8 --n-layer 8 --compile
     torchrun --nproc_per_node=4 pipeline.py --schedule 1f1b --dp 2 --micro-batches 4
     python gpt2.py train --batch-size 8 ...   # the same loss curve, step by step (fp32)
 
-References: GPipe (Huang et al. 2019); 1F1B/PipeDream-Flush (Narayanan et al. 2021, Megatron-LM, 2.2);
-zero-bubble B/W split (Qi et al. 2023); DualPipe (DeepSeek-V3 report, 3.2.1) and DualPipeV
-(deepseek-ai/DualPipe); torch.distributed.pipelining, which tests/ compares against.
+References: GPipe (Huang et al. 2019); 1F1B/PipeDream-Flush and interleaved 1F1B (Narayanan et al. 2021,
+Megatron-LM, 2.2); zero-bubble B/W split and ZB-H1 (Qi et al. 2023); DualPipe (DeepSeek-V3 report, 3.2.1)
+and DualPipeV (deepseek-ai/DualPipe); torch.distributed.pipelining, which tests/ compares against.
+Uses from gpt2.py: build_model and the GPT pieces embed / forward_blocks / head_loss, make_parser,
+check_args, setup, make_loaders, optimizer_groups, make_adamw, set_lr, CommMeter, Metrics, Profiler.
 """
 import collections
 import contextlib
@@ -109,8 +154,11 @@ def interleaved(P, M, rank, V):
 
 
 class _OpList:
-    """Numbers micro-batches per (stage, F or backward) as a schedule emits ops, and queues the W of every
-    I so that W() runs the oldest pending weight gradient (first in, first out, as DualPipe does)."""
+    """DualPipe's phases say only "a forward of my near stage", "a backward of my far stage"; which
+    micro-batch that is follows from how many of that kind this stage has already run. _OpList keeps
+    that count per (stage, forward or backward), starting at the stage's first micro-batch (M/2 for
+    DualPipe's second direction), and queues the W of every I so that W() runs the oldest pending weight
+    gradient (first in, first out, as deepseek-ai/DualPipe does)."""
 
     def __init__(self, mb_base):
         self.ops, self.next, self.pending_w, self.mb_base = [], collections.Counter(), collections.deque(), mb_base
@@ -265,7 +313,8 @@ def simulate(orders, cost, paired=False):
                     done[("B" if o.kind == "I" else o.kind, o.stage, o.mb)] = t
                 pos[r], progressed = pos[r] + len(unit), True
         if not progressed:
-            raise RuntimeError(f"the op lists deadlock (P={P}, at ops {[o[p] if p < len(o) else None for o, p in zip(orders, pos)]})")
+            stuck = [o[p] if p < len(o) else None for o, p in zip(orders, pos)]
+            raise RuntimeError(f"the op lists deadlock (P={P}, at ops {stuck})")
     return out
 
 
@@ -316,76 +365,21 @@ def plan_messages(orders, owner):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Checks that run before the first collective (bad input -> a clear error, never a hang)
-
-
-def check_args(args, world):
-    """Returns P, the pipeline depth; a bad flag is one line naming it (gpt2.fail)."""
-    gpt2.check_args(args)
-    if world % args.dp:
-        gpt2.fail(f"--dp {args.dp} does not divide the {world} ranks", "--dp", "give a divisor of the world size")
-    P, M, L = world // args.dp, args.micro_batches, gpt2.model_config(args).n_layer
-    V = args.virtual_stages
-    if V < 1:
-        gpt2.fail(f"--virtual-stages {V} is not a positive number of model chunks", "--virtual-stages", "give V >= 1")
-    S = num_stages(args.schedule, P, V)
-    if args.batch_size % M:
-        gpt2.fail(f"--batch-size {args.batch_size} is not divisible by --micro-batches {M}", "--micro-batches",
-                  "give a divisor of --batch-size")
-    if L % S:
-        gpt2.fail(f"{L} layers do not split into {S} stages ({args.schedule}, P={P} ranks per pipeline)",
-                  "--n-layer", f"give a multiple of {S} layers, or another number of ranks")
-    if args.schedule == "dualpipe" and P % 2:
-        gpt2.fail(f"dualpipe pairs ranks from both ends, P={P} is odd", "--nproc_per_node/--dp",
-                  "use an even number of ranks per pipeline")
-    if args.schedule in ("1f1b", "zbh1") and M < P:
-        gpt2.fail(f"{args.schedule} with {M} micro-batches cannot fill {P} stages", "--micro-batches",
-                  f"give at least {P}")
-    if args.schedule == "interleaved" and M % P:
-        gpt2.fail(f"interleaved sends micro-batches round in groups of P={P}, got {M}", "--micro-batches",
-                  f"give a multiple of {P}")
-    if args.schedule in ("dualpipe", "dualpipev") and (M < 2 * P or M % 2):
-        gpt2.fail(f"{args.schedule} needs an even number of micro-batches >= 2P = {2 * P}, got {M}",
-                  "--micro-batches", f"give an even number >= {2 * P}")
-    return P
-
-
-# ----------------------------------------------------------------------------------------------------
 # The executor: runs one rank's op list, moving activations and gradients with batch_isend_irecv
 
 
-class Timeline:
-    """Start and end of every op, in ms from reset(). CUDA events on the GPU, so timing adds no syncs."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.reset()
-
-    def now(self):
-        if not self.cuda:
-            return time.perf_counter() * 1e3
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def reset(self):
-        self.ops, self.t0 = [], self.now()
-
-    @contextlib.contextmanager
-    def op(self, op):
-        start = self.now()
-        yield
-        self.ops.append((op, start, self.now()))
-
-    def spans(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-        ms = (lambda e: self.t0.elapsed_time(e)) if self.cuda else (lambda t: t - self.t0)
-        return [(op, ms(a), ms(b)) for op, a, b in self.ops]
-
-
 class Pipeline:
-    """This rank's stages of GPT-2 and the machinery to run any schedule over them."""
+    """This rank's stages of GPT-2 and the machinery to run any schedule over them.
+
+    How a step runs (run): before op i, issue batch i of plan_messages' plan (_issue): the sends it
+    lists take their tensors from `outbox`, where the op that made them left them keyed by message
+    (_send), and the receives it lists get fresh buffers, parked in `inbox` under their message key
+    with the work that fills them. An op that needs a message takes it from `inbox` (_take waits for
+    that work only). The receives from one peer sit in the plan in the order that peer sends, because
+    NCCL pairs the n-th send with the n-th receive and ignores tags; the tags (message kind, stage,
+    micro-batch) are for gloo, which matches on them, and make a mismatch impossible to miss. `saved`
+    holds, per (stage, micro-batch), what its backward needs; `deferred` the (input, output gradient)
+    pairs an I leaves for its W."""
 
     def __init__(self, args, ctx, P, comm):
         self.args, self.ctx, self.P, self.M, self.comm = args, ctx, P, args.micro_batches, comm
@@ -405,7 +399,8 @@ class Pipeline:
         self.model = model.to(ctx.device)
         self.orders = op_lists(self.schedule, P, self.M, self.V)
         self.eval_orders = [forward_only(self.schedule, P, self.M, r, self.V) for r in range(P)]
-        self.plan, self.eval_plan = plan_messages(self.orders, self._owner), plan_messages(self.eval_orders, self._owner)
+        self.plan = plan_messages(self.orders, self._owner)  # every message of a step, laid out in advance
+        self.eval_plan = plan_messages(self.eval_orders, self._owner)
         self._tape = None
         if any(op.kind == "I" for op in self.orders[self.pp_rank]):  # record matmul/LayerNorm inputs for W
             for m in self.model.modules():
@@ -689,6 +684,87 @@ def _accumulate(p, g, rows=None):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Training loop (gpt2.train's order: lr, micro-steps, clip, step, zero_grad, check, log, eval)
+
+
+def train(argv=None):
+    args = make_parser().parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    P = check_args(args, world)
+    ctx = gpt2.setup(args)
+    comm = gpt2.CommMeter()
+    pipe = Pipeline(args, ctx, P, comm)
+    train_loader, val_loader = gpt2.make_loaders(args, pipe.replica, args.dp, pipe.cfg.vocab_size)
+    opt = gpt2.make_adamw(gpt2.optimizer_groups(pipe.model, args.weight_decay), args, ctx.device)
+    tokens = args.batch_size * args.seq_len * args.grad_accum * args.dp
+    metrics = gpt2.Metrics(args, ctx, pipe.cfg, pipe.n_params, tokens)
+    profiler = gpt2.Profiler(args, ctx)
+    print0(f"{args.schedule}: P={P} ranks per pipeline x D={args.dp} replicas, {pipe.S} stages of "
+           f"{pipe.cfg.n_layer // pipe.S} blocks, M={args.micro_batches} micro-batches of "
+           f"{args.batch_size // args.micro_batches} | device {ctx.device} {ctx.dtype}")
+    scale = 1.0 / (args.micro_batches * args.grad_accum)
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = gpt2.set_lr(opt, step, args)
+        loss_sum = torch.zeros((), device=ctx.device)
+        for _ in range(args.grad_accum):
+            x, y = train_loader.next_batch()
+            loss_sum += pipe.run(x, y, scale, align=step == args.steps - 1)
+        pipe.sync_grads()
+        loss_val = pipe.global_loss(loss_sum)
+        if args.grad_clip > 0:
+            pipe.clip_grad_norm(args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        gpt2.check_finite(loss_val, step)
+        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb())
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            pipe.model.eval()
+            metrics.log_val(step, pipe.evaluate(val_loader, args.eval_steps))
+            pipe.model.train()
+    report(pipe, args)
+    metrics.plot()
+    print0(f"wrote {args.out}/metrics.jsonl, loss.png and schedule.png")
+    return pipe
+
+
+# ====================================================================================================
+# Appendix: measurement (Timeline, bubble report, pictures), argument checks, CLI
+# ====================================================================================================
+
+
+class Timeline:
+    """Start and end of every op, in ms from reset(). CUDA events on the GPU, so timing adds no syncs."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.reset()
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter() * 1e3
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def reset(self):
+        self.ops, self.t0 = [], self.now()
+
+    @contextlib.contextmanager
+    def op(self, op):
+        start = self.now()
+        yield
+        self.ops.append((op, start, self.now()))
+
+    def spans(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        ms = (lambda e: self.t0.elapsed_time(e)) if self.cuda else (lambda t: t - self.t0)
+        return [(op, ms(a), ms(b)) for op, a, b in self.ops]
+
+
+# ----------------------------------------------------------------------------------------------------
 # Bubble report and the schedule picture
 
 
@@ -756,6 +832,21 @@ def report(pipe, args):
     return st
 
 
+def ascii_timeline(schedule, P, M, V=2):
+    """The docstring's timelines: simulate() at F=1, B=2, I=W=1, one character per time unit, the op's kind
+    (lower case for stages on the way back up DualPipeV's V), '.' idle."""
+    spans = simulate(op_lists(schedule, P, M, V), {"F": 1, "B": 2, "I": 1, "W": 1})
+    end = int(max(b for r in spans for _, _, b in r))
+    rows = []
+    for ops in spans:
+        line = ["."] * end
+        for op, a, b in ops:
+            a, b = int(a), int(b)
+            line[a:b] = [op.kind.lower() if schedule == "dualpipev" and op.stage >= P else op.kind] * (b - a)
+        rows.append("".join(line))
+    return rows
+
+
 def draw_schedule(ranks, path, title, pale):
     """Ranks as rows, one box per op coloured by kind, its micro-batch inside; the second direction of
     dualpipe and the way back up dualpipev's V are drawn paler."""
@@ -784,7 +875,38 @@ def draw_schedule(ranks, path, title, pale):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Training loop (gpt2.train's order: lr, micro-steps, clip, step, zero_grad, check, log, eval)
+# Checks that run before the first collective (bad input -> a clear error, never a hang)
+
+
+def check_args(args, world):
+    """Returns P, the pipeline depth; a bad flag is one line naming it (gpt2.fail)."""
+    gpt2.check_args(args)
+    if world % args.dp:
+        gpt2.fail(f"--dp {args.dp} does not divide the {world} ranks", "--dp", "give a divisor of the world size")
+    P, M, L = world // args.dp, args.micro_batches, gpt2.model_config(args).n_layer
+    V = args.virtual_stages
+    if V < 1:
+        gpt2.fail(f"--virtual-stages {V} is not a positive number of model chunks", "--virtual-stages", "give V >= 1")
+    S = num_stages(args.schedule, P, V)
+    if args.batch_size % M:
+        gpt2.fail(f"--batch-size {args.batch_size} is not divisible by --micro-batches {M}", "--micro-batches",
+                  "give a divisor of --batch-size")
+    if L % S:
+        gpt2.fail(f"{L} layers do not split into {S} stages ({args.schedule}, P={P} ranks per pipeline)",
+                  "--n-layer", f"give a multiple of {S} layers, or another number of ranks")
+    if args.schedule == "dualpipe" and P % 2:
+        gpt2.fail(f"dualpipe pairs ranks from both ends, P={P} is odd", "--nproc_per_node/--dp",
+                  "use an even number of ranks per pipeline")
+    if args.schedule in ("1f1b", "zbh1") and M < P:
+        gpt2.fail(f"{args.schedule} with {M} micro-batches cannot fill {P} stages", "--micro-batches",
+                  f"give at least {P}")
+    if args.schedule == "interleaved" and M % P:
+        gpt2.fail(f"interleaved sends micro-batches round in groups of P={P}, got {M}", "--micro-batches",
+                  f"give a multiple of {P}")
+    if args.schedule in ("dualpipe", "dualpipev") and (M < 2 * P or M % 2):
+        gpt2.fail(f"{args.schedule} needs an even number of micro-batches >= 2P = {2 * P}, got {M}",
+                  "--micro-batches", f"give an even number >= {2 * P}")
+    return P
 
 
 def make_parser():
@@ -795,48 +917,6 @@ def make_parser():
     p.add_argument("--dp", type=int, default=1, help="data-parallel pipeline replicas D (world = P * D)")
     p.add_argument("--virtual-stages", type=int, default=2, help="interleaved: model chunks V per rank")
     return p
-
-
-def train(argv=None):
-    args = make_parser().parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    P = check_args(args, world)
-    ctx = gpt2.setup(args)
-    comm = gpt2.CommMeter()
-    pipe = Pipeline(args, ctx, P, comm)
-    train_loader, val_loader = gpt2.make_loaders(args, pipe.replica, args.dp, pipe.cfg.vocab_size)
-    opt = gpt2.make_adamw(gpt2.optimizer_groups(pipe.model, args.weight_decay), args, ctx.device)
-    tokens = args.batch_size * args.seq_len * args.grad_accum * args.dp
-    metrics = gpt2.Metrics(args, ctx, pipe.cfg, pipe.n_params, tokens)
-    profiler = gpt2.Profiler(args, ctx)
-    print0(f"{args.schedule}: P={P} ranks per pipeline x D={args.dp} replicas, {pipe.S} stages of "
-           f"{pipe.cfg.n_layer // pipe.S} blocks, M={args.micro_batches} micro-batches of "
-           f"{args.batch_size // args.micro_batches} | device {ctx.device} {ctx.dtype}")
-    scale = 1.0 / (args.micro_batches * args.grad_accum)
-    for step in range(args.steps):
-        profiler.step(step)
-        metrics.start_step()
-        lr = gpt2.set_lr(opt, step, args)
-        loss_sum = torch.zeros((), device=ctx.device)
-        for _ in range(args.grad_accum):
-            x, y = train_loader.next_batch()
-            loss_sum += pipe.run(x, y, scale, align=step == args.steps - 1)
-        pipe.sync_grads()
-        loss_val = pipe.global_loss(loss_sum)
-        if args.grad_clip > 0:
-            pipe.clip_grad_norm(args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        gpt2.check_finite(loss_val, step)
-        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb())
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            pipe.model.eval()
-            metrics.log_val(step, pipe.evaluate(val_loader, args.eval_steps))
-            pipe.model.train()
-    report(pipe, args)
-    metrics.plot()
-    print0(f"wrote {args.out}/metrics.jsonl, loss.png and schedule.png")
-    return pipe
 
 
 if __name__ == "__main__":
