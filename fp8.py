@@ -168,6 +168,7 @@ def fp8_matmul(a_fp8, a_scales, b_fp8, b_scales, out_dtype=torch.float32):
     return _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales).to(out_dtype)
 
 
+@torch.compiler.disable  # an opaque GEMM call, like the CUDA path; inductor (torch 2.13, CPU) miscompiles it
 def _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales):
     """The hardware's algorithm in fp32 on any device: e4m3 values are exact in fp32 and so are their
     pairwise products (8 significant bits); each chunk's 128 products are summed in fp32, where the tensor
@@ -256,13 +257,13 @@ def _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales):
 
 
 class Fp8LinearFn(torch.autograd.Function):
-    """y = x @ W^T + b with x in 1x128 tiles and W in 128x128 blocks. Saves the fp8 x and W (1 byte per
-    element instead of 2 or 4). The bias and its gradient stay in high precision.
+    """y = x @ W^T with x in 1x128 tiles and W in 128x128 blocks. Saves the fp8 x and W (1 byte per
+    element instead of 2 or 4). The bias is added outside, by autograd, in high precision.
     pow2: x's scales are powers of 2 (rounded up), in forward and where wgrad re-cuts x's tiles along the
     tokens, so the re-quantization of the saved fp8 x loses (almost) nothing (DeepSeek-V3 section 3.3.3)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, pow2=True):
+    def forward(ctx, x, weight, pow2=True):
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         N, K = weight.shape
@@ -271,10 +272,8 @@ class Fp8LinearFn(torch.autograd.Function):
             x_fp8, x_scales = quantize_1x128(x2, pow2)
             w_fp8, w_scales = quantize_128x128(weight)
             y = fp8_matmul(x_fp8, x_scales, w_fp8, w_scales, out_dtype)[:, :N]  # (B*T, N)
-            if bias is not None:
-                y = y + bias.to(out_dtype)
         ctx.save_for_backward(x_fp8, x_scales, w_fp8, w_scales)
-        ctx.shapes, ctx.dtypes, ctx.has_bias = (x.shape, x2.shape, weight.shape), (x.dtype, weight.dtype), bias is not None
+        ctx.shapes, ctx.dtypes = (x.shape, x2.shape, weight.shape), (x.dtype, weight.dtype)
         ctx.pow2 = pow2
         return y.reshape(*x.shape[:-1], N)
 
@@ -298,9 +297,8 @@ class Fp8LinearFn(torch.autograd.Function):
             # fp32 out: the accumulator is fp32 anyway and the master weights are fp32, so rounding dW to
             # bf16 (what an autocast nn.Linear does) would throw away bits for nothing
             dw = fp8_matmul(dyt_fp8, dyt_scales, xt_fp8, xt_scales, torch.float32)  # (N, K)
-            db = dy2.float().sum(0) if ctx.has_bias else None
         x_dtype, w_dtype = ctx.dtypes
-        return dx.reshape(x_shape).to(x_dtype), dw.to(w_dtype), None if db is None else db.to(w_dtype), None
+        return dx.reshape(x_shape).to(x_dtype), dw.to(w_dtype), None
 
 
 class Fp8Linear(nn.Linear):
@@ -308,7 +306,9 @@ class Fp8Linear(nn.Linear):
     pow2 = True  # power-of-2 scales for x (forward and the wgrad re-cut); False: plain amax/448 scales
 
     def forward(self, x):
-        return Fp8LinearFn.apply(x, self.weight, self.bias, self.pow2)
+        y = Fp8LinearFn.apply(x, self.weight, self.pow2)
+        # the bias outside the Function, in the output's dtype: autograd sums its gradient in high precision
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
