@@ -304,9 +304,13 @@ class Fp8LinearFn(torch.autograd.Function):
 class Fp8Linear(nn.Linear):
     """A drop-in nn.Linear (same parameters, same state_dict) whose matmuls run in fp8 tiles."""
     pow2 = True  # power-of-2 scales for x (forward and the wgrad re-cut); False: plain amax/448 scales
+    fmt, recipe = "deepseek", ()  # or "mxfp8" / "nvfp4" (with recipe items of NVFP4_RECIPE): see below
 
     def forward(self, x):
-        y = Fp8LinearFn.apply(x, self.weight, self.pow2)
+        if self.fmt == "deepseek":
+            y = Fp8LinearFn.apply(x, self.weight, self.pow2)
+        else:
+            y = BlockScaledLinearFn.apply(x, self.weight, self.fmt, self.recipe)
         # the bias outside the Function, in the output's dtype: autograd sums its gradient in high precision
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
@@ -317,12 +321,171 @@ class Fp8Linear(nn.Linear):
         return new
 
 
-def convert_to_fp8(model: gpt2.GPT):
+# ----------------------------------------------------------------------------------------------------
+# The formats after DeepSeek's tiles: MXFP8 and NVFP4, the block-scaled formats of Blackwell's tensor cores
+#
+#   format    element          block along K   block scale                      tensor scale
+#   deepseek  e4m3 (448)       1x128 / 128x128 fp32 (x: power of 2)             -
+#   mxfp8     e4m3 (448)       1x32            UE8M0 (a power of 2, 1 byte)     -
+#   nvfp4     e2m1 (6, 4 bits) 1x16 (W: 16x16) e4m3 (1 byte)                    fp32
+#
+# The hardware multiplies blocks and applies both block scales inside the tensor core, accumulating in fp32,
+# so there is no per-chunk promotion to write: the emulation dequantizes both operands (exact in fp32: an
+# e2m1 x e4m3 product has at most 6 significant bits) and multiplies them in fp32. The tensor scale of
+# NVFP4 is applied in the dequantization (one fp32 rounding, 2^-24). Blocks run along the contraction dim of
+# each GEMM, so x, W and dy are quantized once per GEMM they enter, each from high precision (the column
+# copies of x and, for nvfp4, the 16x16 weight blocks are made in forward, as Transformer Engine does).
+
+FORMATS = ("deepseek", "mxfp8", "nvfp4")
+MX_BLOCK = {"mxfp8": 32, "nvfp4": 16}
+E2M1_MAX = 6.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the 8 magnitudes; the 4-bit code is sign<<3 | index
+NVFP4_RECIPE = ("hadamard", "sr", "last")  # NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149 section 4)
+
+
+def round_e2m1(y, stochastic=False):
+    """|y| <= 6 -> the nearest e2m1 value (ties to even), or stochastically rounded (unbiased: E[q] = y).
+    e2m1's steps are 0.5 below 2, 1 below 4, 2 up to 6: divide by the step, round to an integer, multiply."""
+    mag = y.abs()
+    step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
+    units = mag / step
+    units = torch.floor(units + torch.rand_like(units)) if stochastic else torch.round(units)  # round: half to even
+    return torch.copysign((units * step).clamp(max=E2M1_MAX), y)
+
+
+def pack_e2m1(values):
+    """e2m1 values (R, C), C even -> (R, C/2) uint8, two 4-bit codes per byte, the first in the low nibble
+    (torch.float4_e2m1fn_x2's layout)."""
+    grid = torch.tensor(E2M1_VALUES, device=values.device)
+    codes = torch.searchsorted(grid, values.abs().contiguous()).to(torch.uint8) | (values < 0).to(torch.uint8) << 3
+    return codes[:, 0::2] | codes[:, 1::2] << 4
+
+
+def unpack_e2m1(packed):
+    grid = torch.tensor(E2M1_VALUES, device=packed.device)
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.size(0), -1).long()  # (R, C)
+    return torch.where(codes >= 8, -grid[codes & 7], grid[codes & 7])
+
+
+def hadamard_16(device):
+    """A 16x16 random Hadamard transform Q = H diag(signs) / 4, orthogonal (Q Q^T = I): applied to both
+    operands along a GEMM's contraction dim it leaves the product unchanged, (a Q)(b Q)^T = a b^T, while
+    spreading an outlier over its 16-block (the paper applies it to wgrad's inputs, section 4.2)."""
+    h = torch.ones(1, 1)
+    while h.size(0) < 16:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)  # Sylvester's construction
+    signs = torch.tensor([1, -1, -1, 1, -1, 1, 1, 1, -1, -1, 1, -1, 1, 1, -1, 1.0])  # fixed random signs
+    return (h * signs / 4).to(device)
+
+
+def rotate_16(x, q):
+    """x (R, C) times the block-diagonal diag(q, q, ...) along C (zero-padded to 16)."""
+    R, C = x.shape
+    xp = F.pad(x, (0, -C % 16))
+    return (xp.view(R, -1, 16) @ q).view(R, -1)
+
+
+def quantize_blocks(x, fmt, stochastic=False, square=False):
+    """x (R, C) -> (codes, scales, tensor_scale) in 1 x b blocks along C (b = 32 mxfp8, 16 nvfp4; C padded).
+    mxfp8: e4m3 codes, UE8M0 scales (powers of 2 rounded up, float8_e8m0fnu), no tensor scale.
+    nvfp4: e2m1 codes packed 2 per byte, e4m3 block scales of amax/6 measured in units of an fp32 tensor
+    scale amax_tensor/(448*6), which keeps the block scales inside e4m3's range.
+    square: 16x16 blocks (nvfp4 weights), so W and W^T share one quantization."""
+    b = MX_BLOCK[fmt]
+    xp = F.pad(x.float(), (0, -x.size(1) % b, 0, -x.size(0) % b if square else 0))
+    R, C = xp.shape
+    if square:  # the amax of each b x b block, repeated over its b rows
+        amax = xp.view(R // b, b, C // b, b).abs().amax(dim=(1, 3)).repeat_interleave(b, dim=0)
+    else:
+        amax = xp.view(R, C // b, b).abs().amax(dim=-1)  # (R, C/b)
+    blocks = xp.view(R, C // b, b)
+    if fmt == "mxfp8":
+        scales = _pow2_up(amax.clamp(min=AMAX_FLOOR) / FP8_MAX)
+        return _to_fp8(blocks, scales[..., None]).view(R, C), scales.to(torch.float8_e8m0fnu), None
+    tensor_scale = xp.abs().amax().clamp(min=AMAX_FLOOR * E2M1_MAX) / (FP8_MAX * E2M1_MAX)
+    scales = (amax / E2M1_MAX / tensor_scale).clamp(max=FP8_MAX).to(FP8)  # e4m3, rounded to nearest
+    decode = scales.float() * tensor_scale
+    y = torch.where(decode[..., None] > 0, blocks / decode[..., None], 0.0).clamp(-E2M1_MAX, E2M1_MAX)
+    return pack_e2m1(round_e2m1(y, stochastic).view(R, C)), scales, tensor_scale
+
+
+def dequantize_blocks(codes, scales, tensor_scale, fmt, shape):
+    b = MX_BLOCK[fmt]
+    values = codes.float() if fmt == "mxfp8" else unpack_e2m1(codes)
+    R, C = values.shape
+    x = values.view(R, C // b, b) * scales.float()[..., None]
+    if tensor_scale is not None:
+        x = x * tensor_scale
+    return x.view(R, C)[: shape[0], : shape[1]]
+
+
+def block_scaled_matmul(a, b, fmt, a_sr=False, b_sr=False, b_square=False):
+    """a (M, K) @ b (N, K)^T with both operands quantized in blocks along K: what one block-scaled MMA
+    computes (the CPU emulation: exact products, fp32 sums). Returns fp32 (M, N)."""
+    aq = dequantize_blocks(*quantize_blocks(a, fmt, a_sr), fmt, a.shape)
+    bq = dequantize_blocks(*quantize_blocks(b, fmt, b_sr, b_square), fmt, b.shape)
+    return aq @ bq.t()
+
+
+class BlockScaledLinearFn(torch.autograd.Function):
+    """y = x @ W^T in MXFP8 or NVFP4, all three GEMMs with their operands blocked along the contraction dim.
+    recipe (nvfp4): 'hadamard' rotates wgrad's inputs (dy^T, x^T along the tokens) by a 16x16 random
+    Hadamard transform; 'sr' rounds the gradient dy stochastically (unbiased, so small updates survive);
+    the weights use 16x16 blocks, so dgrad reuses forward's W. mxfp8 quantizes W^T afresh for dgrad."""
+
+    @staticmethod
+    def forward(ctx, x, weight, fmt, recipe):
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        N, K = weight.shape
+        square = fmt == "nvfp4"
+        with torch.autocast(dev, enabled=False):
+            x2 = x.reshape(-1, K).float()  # (B*T, K)
+            wq = quantize_blocks(weight, fmt, square=square)
+            w_hp = dequantize_blocks(*wq, fmt, weight.shape)  # (N, K), the values the tensor core sees
+            y = dequantize_blocks(*quantize_blocks(x2, fmt), fmt, x2.shape) @ w_hp.t()  # (B*T, N)
+            # wgrad's copy of x, blocked along the tokens, made now from high precision and saved
+            xt = x2.t()  # (K, B*T)
+            if "hadamard" in recipe:
+                xt = rotate_16(xt, hadamard_16(x.device))
+            xtq = quantize_blocks(xt, fmt)
+        ctx.save_for_backward(*[t for t in xtq + (wq if square else (weight,)) if t is not None])
+        ctx.meta = (fmt, recipe, x.shape, xt.shape, weight.shape, x.dtype, weight.dtype, square)
+        return y.to(out_dtype).reshape(*x.shape[:-1], N)
+
+    @staticmethod
+    def backward(ctx, dy):
+        fmt, recipe, x_shape, xt_shape, (N, K), x_dtype, w_dtype, square = ctx.meta
+        saved = list(ctx.saved_tensors)
+        xt_codes, xt_scales = saved[:2]
+        xt_ts = saved[2] if fmt == "nvfp4" else None
+        sr = "sr" in recipe
+        with torch.autocast(dy.device.type, enabled=False):
+            dy2 = dy.reshape(-1, N).float()  # (B*T, N)
+            if square:  # W^T: the forward's 16x16 blocks, transposed
+                w_codes, w_scales, w_ts = saved[3:]
+                wt_hp = dequantize_blocks(w_codes, w_scales, w_ts, fmt, (N, K)).t()  # (K, N)
+            else:
+                wt_hp = dequantize_blocks(*quantize_blocks(saved[2].t(), fmt), fmt, (K, N))
+            dx = dequantize_blocks(*quantize_blocks(dy2, fmt, sr), fmt, dy2.shape) @ wt_hp.t()  # (B*T, K)
+            dyt = dy2.t()  # (N, B*T)
+            if "hadamard" in recipe:
+                dyt = rotate_16(dyt, hadamard_16(dy.device))
+            xt_hp = dequantize_blocks(xt_codes, xt_scales, xt_ts, fmt, xt_shape)
+            dw = dequantize_blocks(*quantize_blocks(dyt, fmt, sr), fmt, dyt.shape) @ xt_hp.t()  # (N, K) fp32
+        return dx.reshape(x_shape).to(x_dtype), dw.to(w_dtype), None, None
+
+
+def convert_to_fp8(model: gpt2.GPT, fmt="deepseek", recipe=()):
     """Swap the four Linear layers of every block for Fp8Linear; embeddings, LayerNorms, attention's
-    softmax and the (tied) head stay in high precision, as in DeepSeek-V3 section 3.3."""
-    for block in model.h:
+    softmax and the (tied) head stay in high precision, as in DeepSeek-V3 section 3.3. nvfp4 with 'last'
+    also keeps the last ~15% of the blocks (at least one) in high precision, as the NVFP4 recipe does."""
+    keep = max(1, round(0.15 * len(model.h))) if fmt == "nvfp4" and "last" in recipe else 0
+    for block in list(model.h)[: len(model.h) - keep]:
         for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
-            setattr(parent, name, Fp8Linear.from_linear(getattr(parent, name)))
+            layer = Fp8Linear.from_linear(getattr(parent, name))
+            layer.fmt, layer.recipe = fmt, tuple(recipe)
+            setattr(parent, name, layer)
     return model
 
 
@@ -355,44 +518,53 @@ def global_mean(t, world, comm: gpt2.CommMeter):
 
 
 def compare_with_baseline(args, records, mode):
-    """Keep this run's curve as OUT/metrics_fp8_<mode>.jsonl; once both modes exist in OUT, print the
-    final-loss gap and draw OUT/fp8_vs_baseline.png."""
+    """Keep this run's curve as OUT/metrics_fp8_<mode>.jsonl (mode: off, on = deepseek tiles, mxfp8, nvfp4);
+    once the baseline (off) and an fp8 run exist in OUT, print the final-loss gap and draw
+    OUT/fp8_vs_baseline.png (deepseek) or OUT/<format>_vs_baseline.png."""
     with open(os.path.join(args.out, f"metrics_fp8_{mode}.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-    other_mode = "off" if mode == "on" else "on"
-    other_path = os.path.join(args.out, f"metrics_fp8_{other_mode}.jsonl")
-    if not os.path.exists(other_path):
-        print0(f"run the same command with --fp8 {other_mode} --out {args.out} to compare")
-        return None
-    with open(other_path) as f:
-        other = [json.loads(line) for line in f]
-    on_recs, off_recs = (records, other) if mode == "on" else (other, records)
+    others = ["on", "mxfp8", "nvfp4"] if mode == "off" else ["off"]
+    gap = None
+    for other_mode in others:
+        other_path = os.path.join(args.out, f"metrics_fp8_{other_mode}.jsonl")
+        if os.path.exists(other_path):
+            with open(other_path) as f:
+                other = [json.loads(line) for line in f]
+            on_mode = mode if mode != "off" else other_mode
+            gap = _draw_gap(args, *((records, other) if mode != "off" else (other, records)), on_mode, other_path)
+    if gap is None and not any(os.path.exists(os.path.join(args.out, f"metrics_fp8_{m}.jsonl")) for m in others):
+        print0(f"run the same command with --fp8 {'on' if mode == 'off' else 'off'} --out {args.out} to compare")
+    return gap
+
+
+def _draw_gap(args, on_recs, off_recs, on_mode, other_path):
     on, off = ([(r["step"], r["loss"]) for r in recs if "loss" in r] for recs in (on_recs, off_recs))
     if not on or not off or on[-1][0] != off[-1][0]:
         print0(f"{other_path} is a run of a different length: not compared")
         return None
+    label = "fp8 tiles" if on_mode == "on" else on_mode
     gap = (on[-1][1] - off[-1][1]) / off[-1][1]
-    print0(f"final train loss: fp8 {on[-1][1]:.4f} | baseline {off[-1][1]:.4f} | gap {100 * gap:+.2f}%")
+    print0(f"final train loss: {label} {on[-1][1]:.4f} | baseline {off[-1][1]:.4f} | gap {100 * gap:+.2f}%")
     val_on, val_off = ([r["val_loss"] for r in recs if "val_loss" in r] for recs in (on_recs, off_recs))
     if val_on and val_off:
-        print0(f"final val loss:   fp8 {val_on[-1]:.4f} | baseline {val_off[-1]:.4f} | "
+        print0(f"final val loss:   {label} {val_on[-1]:.4f} | baseline {val_off[-1]:.4f} | "
                f"gap {100 * (val_on[-1] - val_off[-1]) / val_off[-1]:+.2f}%")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(6, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     ax.plot(*zip(*off), label="baseline (--fp8 off)")
-    ax.plot(*zip(*on), label="fp8 tiles (--fp8 on)")
+    ax.plot(*zip(*on), label=f"{label} (--fp8 on)")
     ax.set_ylabel("train loss (nats/token)")
     ax.legend()
     ax2.plot([s for s, _ in on], [100 * (a - b) / b for (_, a), (_, b) in zip(on, off)])
     ax2.axhline(0, color="gray", lw=0.5)
     ax2.set_xlabel("step")
-    ax2.set_ylabel("fp8 - baseline (%)")
+    ax2.set_ylabel(f"{label} - baseline (%)")
     for a in (ax, ax2):
         a.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "fp8_vs_baseline.png"), dpi=100)
+    fig.savefig(os.path.join(args.out, "fp8_vs_baseline.png" if on_mode == "on" else f"{on_mode}_vs_baseline.png"), dpi=100)
     plt.close(fig)
     return gap
 
@@ -401,17 +573,41 @@ def compare_with_baseline(args, records, mode):
 # Training
 
 
+def check_format(args):
+    """--format / --nvfp4-recipe, checked before any collective; returns the recipe as a tuple."""
+    if args.nvfp4_recipe is not None and args.format != "nvfp4":
+        gpt2.fail(f"--nvfp4-recipe with --format {args.format}", "--nvfp4-recipe", "add --format nvfp4 or drop it")
+    if args.format != "nvfp4":
+        return ()
+    if args.nvfp4_recipe is None:
+        return NVFP4_RECIPE
+    items = () if args.nvfp4_recipe == "none" else tuple(args.nvfp4_recipe.split(","))
+    bad = [i for i in items if i not in NVFP4_RECIPE]
+    if bad:
+        gpt2.fail(f"unknown --nvfp4-recipe item {bad[0]!r}", "--nvfp4-recipe",
+                  f"give a comma-separated subset of {','.join(NVFP4_RECIPE)}, or none")
+    return items
+
+
 def train(argv=None):
     p = gpt2.make_parser("GPT-2 with tile-scaled fp8 Linear layers (DeepSeek-V3 section 3.3), data parallel.")
     p.add_argument("--fp8", default="on", choices=["on", "off"],
                    help="on: the blocks' Linear layers in fp8 tiles; off: the identical bf16 (CUDA) / fp32 (CPU) baseline")
+    p.add_argument("--format", default="deepseek", choices=FORMATS,
+                   help="deepseek: e4m3 in 1x128/128x128 tiles; mxfp8: e4m3 in 1x32 blocks, UE8M0 scales; "
+                        "nvfp4: e2m1 in 16-blocks, e4m3 block scales, fp32 tensor scale (all emulated off Hopper)")
+    p.add_argument("--nvfp4-recipe", default=None,
+                   help=f"comma-separated subset of {','.join(NVFP4_RECIPE)} or 'none' (default: all of them) "
+                        "for --format nvfp4: Hadamard on wgrad inputs, stochastic rounding of gradients, "
+                        "the last ~15%% of blocks in high precision")
     args = p.parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     # validate everything before the first collective: a bad flag fails every rank, none hangs
     gpt2.check_args(args)
+    recipe = check_format(args)
     cfg = gpt2.model_config(args)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if args.fp8 == "on" and use_cuda:
+    if args.fp8 == "on" and args.format == "deepseek" and use_cuda:  # mxfp8/nvfp4 are emulated on any GPU
         cap = torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", 0)))
         if cap < (8, 9):
             gpt2.fail(f"this GPU is sm_{cap[0]}{cap[1]}, fp8 tensor cores need sm_89 or newer", "--fp8",
@@ -421,7 +617,7 @@ def train(argv=None):
     ctx = gpt2.setup(args)
     model = gpt2.build_model(args)
     if args.fp8 == "on":
-        convert_to_fp8(model)
+        convert_to_fp8(model, args.format, recipe)
     model.to(ctx.device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
@@ -431,6 +627,8 @@ def train(argv=None):
     profiler, comm = gpt2.Profiler(args, ctx), gpt2.CommMeter()
     print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {world} rank(s) | "
            f"device {ctx.device} {ctx.dtype} | fp8 {args.fp8}"
+           + (f" {args.format}" + (f" ({','.join(recipe) or 'no recipe'})" if args.format == "nvfp4" else "")
+              if args.fp8 == "on" else "")
            + (" (CPU emulation)" if args.fp8 == "on" and ctx.device.type == "cpu" else ""))
 
     def loss_fn(x, y):
@@ -457,7 +655,8 @@ def train(argv=None):
             metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
     metrics.plot()
-    return compare_with_baseline(args, metrics.records, args.fp8) if ctx.master else None
+    mode = "off" if args.fp8 == "off" else "on" if args.format == "deepseek" else args.format
+    return compare_with_baseline(args, metrics.records, mode) if ctx.master else None
 
 
 if __name__ == "__main__":
