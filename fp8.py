@@ -10,10 +10,36 @@ so K is cut into 128-wide chunks: the tensor core multiplies a chunk in fp8, the
 fp32, multiplied by that chunk's two scales and accumulated in fp32. The promotion also bounds the
 limited-precision accumulation of Hopper's fp8 tensor cores (~14 bits, section 3.3.2) to 128-term runs; it
 does not remove it. Scales of x are powers of 2 (rounded up, as DeepGEMM's UE8M0 scales), so that the
-wgrad re-cut of x's tiles adds no rounding (section 3.3.3; measured: wgrad error vs fp64 4.43% -> 3.68%). The four Linear layers of every block run this way in forward
-(x @ W^T), dgrad (dy @ W) and wgrad (dy^T @ x); the master weights, the optimizer, embeddings, LayerNorm,
-attention and the head stay in high precision. `--fp8 off` is the identical run without it: an fp8 loss
-curve means something only next to that baseline.
+wgrad re-cut of x's tiles adds no rounding (section 3.3.3; measured: wgrad error vs fp64 4.43% -> 3.68%).
+The four Linear layers of every block run this way in forward (x @ W^T), dgrad (dy @ W) and wgrad
+(dy^T @ x); the master weights, the optimizer, embeddings, LayerNorm, attention and the head stay in high
+precision, and dW leaves the fp32 accumulator unrounded. `--fp8 off` is the identical run without it: an
+fp8 loss curve means something only next to that baseline.
+
+What fp8 buys: (1) tensor-core FLOPs: an H100 SXM's dense fp8 peak is 1979 TFLOP/s against 989 for bf16,
+2x on the GEMMs (tests/bench_fp8.py measures what the 128-chunk promotion and the quantization leave of
+it); (2) the blocks' Linear inputs are saved for backward in 1 byte (+ 4 bytes of scale per 128) instead
+of 2. Scaling is current ("online"): each tile's scale comes from its own amax in this very step (section
+3.3.2). The alternative, delayed scaling (Transformer Engine's per-tensor recipe), takes the scale from an
+amax history of earlier steps, saving a pass over the tensor before the cast but clipping an outlier that
+appears suddenly; a 1x128 tile's amax is local and cheap, so tiles need no history.
+
+--format mxfp8 | nvfp4 runs the same three GEMMs in the block-scaled formats of Blackwell's tensor cores
+(OCP MXFP8: e4m3 in 1x32 blocks with UE8M0 scales; NVFP4: e2m1 in 16-blocks with e4m3 block scales and an
+fp32 tensor scale), emulated from primitives on every device. GEMM error vs fp64 (randn, 1024x768x768):
+bf16 0.23%, deepseek 3.72%, mxfp8 3.74%, nvfp4 14.62% (18.83% beside a x100 outlier channel). NVFP4's
+recipe (--nvfp4-recipe, default all): a 16x16 random Hadamard transform on wgrad's inputs, stochastic
+rounding of the gradients, the last ~15% of blocks in high precision (NVIDIA, arXiv 2509.25149).
+
+GPT-2 124M at 8 ranks (B=16, T=1024, bf16 autocast; python tests/bench_fp8.py --per-rank-124m):
+    all-reduce per step    871.3 MB = 2 x 7/8 x 4 B x 124.5M params (+4 B loss); fp8 does not change it
+    params/grads/AdamW     498 + 498 + 996 MB = 16 B x 124.5M (fp32 master weights, as --fp8 off)
+    saved activations      --fp8 off 8821 MB | --fp8 on 8099 MB | mxfp8 8099 MB | nvfp4 7807 MB, measured:
+                           3372 MB outside the blocks (embeddings, head, logits: never fp8) + 12 blocks x
+                           454 MB (off) or 394 MB (on). Per token and block, 1-byte copies of the inputs of
+                           c_attn, c_fc and mlp.c_proj save 768+768+3072 B; attn.c_proj's input is SDPA's
+                           output, which SDPA saves anyway, so its copy adds 768 B; scales add 168 B:
+                           3672 B x 16384 tokens = 60 MB per block, 722 MB in all (-8%).
 
     forward  y  = x @ W^T      x: 1x128 tiles along K        W: 128x128 blocks
     dgrad    dx = dy @ W       dy: 1x128 tiles along N       W^T: the same blocks, transposed (no requant)
@@ -35,7 +61,10 @@ Launch:
     torchrun --nproc_per_node=2 fp8.py --fp8 on  --device cpu --steps 60 --seq-len 64 --out out/fp8
         -> the second run draws out/fp8/fp8_vs_baseline.png and prints the final-loss gap
     torchrun --nproc_per_node=8 fp8.py --fp8 on --model gpt2 --data data/fineweb10B --batch-size 16 --seq-len 1024 --grad-accum 4
+    torchrun --nproc_per_node=2 fp8.py --format nvfp4 --device cpu --steps 60 --seq-len 64 --out out/fp8
+        -> out/fp8/nvfp4_vs_baseline.png (metrics_fp8_<off|on|mxfp8|nvfp4>.jsonl: one curve per format)
     python tests/bench_fp8.py          # fp8 vs bf16 GEMM TFLOP/s on a GPU; emulation accuracy on CPU
+    python tests/bench_fp8.py --formats   # per format: GEMM error, loss gap, out/bench_fp8/fp8_formats.png
 
 On CPU the fp8 GEMM is an emulation: the same fp8 values and scales, each chunk summed in full fp32. It is
 an upper bound on the hardware's accuracy (whose ~14-bit in-chunk accumulation it does not model), not a
@@ -46,7 +75,14 @@ partial sums are added in fp32 (1.66e-3 from the emulation, measured: the bf16 r
 References: DeepSeek-V3 technical report (arXiv 2412.19437) sections 3.3 (fine-grained quantization,
 increasing accumulation precision, online quantization) and 3.5.2 (the transposed re-quantization for
 wgrad); Micikevicius et al. 2022, "FP8 formats for deep learning" (e4m3/e5m2); DeepSeek's DeepGEMM;
-PyTorch's torch._scaled_mm (aten/src/ATen/native/cuda/Blas.cpp) and torchao's float8 training.
+PyTorch's torch._scaled_mm (aten/src/ATen/native/cuda/Blas.cpp) and torchao's float8 training; OCP
+Microscaling Formats (MX) v1.0; NVIDIA, "Pretraining Large Language Models with NVFP4" (arXiv 2509.25149).
+Differences: the CPU path is an emulation (above); MXFP8 scales are rounded up (the OCP spec's floor may
+saturate the block's largest value); NVFP4's Hadamard uses one fixed sign pattern, not a fresh one per step.
+
+gpt2.py pieces used: make_parser, check_args, fail, run_main, setup, build_model, make_loaders,
+model_config, optimizer_groups, make_adamw, set_lr, accumulate_grads, evaluate, check_finite, print0, CommMeter,
+Metrics, Profiler.
 """
 import json
 import math
@@ -155,7 +191,8 @@ def _row_scales(b_scales, N):
 
 def fp8_matmul(a_fp8, a_scales, b_fp8, b_scales, out_dtype=torch.float32):
     """a @ b^T for a (M, K) in 1x128 tiles and b (N, K) in 1x128 tiles (scales (N, K/128)) or 128x128
-    blocks (scales (ceil(N/128), K/128)); K must be padded to 128 (the quantize_* functions do it)."""
+    blocks (scales (ceil(N/128), K/128)); K must be padded to 128 (the quantize_* functions do it).
+    CPU: the emulation below; CUDA: cuBLAS's block-scaled _scaled_mm (_fp8_matmul_scaled_mm, in the Appendix)."""
     (M, K), N = a_fp8.shape, b_fp8.size(0)
     if a_fp8.dtype != FP8 or b_fp8.dtype != FP8 or b_fp8.size(1) != K or K % TILE:
         raise ValueError(f"fp8_matmul wants e4m3 a (M,K), b (N,K) with K a multiple of {TILE}; "
@@ -181,74 +218,6 @@ def _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales):
         cols = slice(k * TILE, (k + 1) * TILE)
         partial = a_fp8[:, cols].float() @ b_fp8[:, cols].float().t()  # the unscaled fp8 chunk product
         acc += partial * a_scales[:, k, None] * b_rows[None, :, k]
-    return acc
-
-
-_blockwise_ok = {}  # (device type, out dtype, b's tiling) -> block-scaled _scaled_mm ran here and was right
-
-
-def _cublas_block_scales(scales):
-    """cuBLAS reads 128x128 scales as a K-block-major array whose rows are padded to a multiple of 4 blocks
-    (16 bytes); newer torch checks that stride, older torch wants it unpadded (then only K/128 % 4 == 0
-    passes, the layouts being equal). Returned as _scaled_mm's scale_b: the transpose of (N/128, K/128)."""
-    L = scales.size(1)
-    padded = scales.new_zeros(scales.size(0), -(-L // 4) * 4)
-    padded[:, :L] = scales
-    return padded[:, :L].t()
-
-
-@torch.compiler.disable  # a try/except around a kernel choice is eager-mode code
-def _fp8_matmul_scaled_mm(a_fp8, a_scales, b_fp8, b_scales, out_dtype):
-    """The CUDA path (it also runs on CPU, where torch rejects block scales: the tests use that to check the
-    fallback). torch._scaled_mm computes (a * scale_a) @ (mat2 * scale_b), a row-major, mat2 column-major.
-    Block scales (torch >= 2.9, cuBLAS >= 12.9, sm_90): scale_a (M, K/128) outer-dim-major (column-major),
-    1x128 scale_b a contiguous (K/128, N), 128x128 scale_b see _cublas_block_scales. use_fast_accum=False
-    keeps cuBLAS's fp32 promotion (section 3.3 'increasing accumulation precision'). The first call of each
-    kind is checked against the per-chunk path, so a layout this torch/cuBLAS reads differently cannot
-    silently corrupt training."""
-    N = b_fp8.size(0)
-    b_fp8 = b_fp8.contiguous()  # so that mat2 = b^T is column-major (dgrad hands in W^T, a view)
-    per_row = b_scales.size(0) == N
-    key = (a_fp8.device.type, out_dtype, per_row)
-    if _blockwise_ok.get(key, True):
-        scale_b = b_scales.t().contiguous() if per_row else _cublas_block_scales(b_scales)
-        try:
-            out = torch._scaled_mm(a_fp8, b_fp8.t(), scale_a=a_scales.t().contiguous().t(), scale_b=scale_b,
-                                   out_dtype=out_dtype, use_fast_accum=False)
-        except (RuntimeError, NotImplementedError, ValueError) as e:
-            if key not in _blockwise_ok:  # never worked for this kind of call: say so once, then fall back
-                print0(f"fp8: block-scaled _scaled_mm unavailable for {key} ({str(e).splitlines()[0][:100]}); "
-                       f"using one row-wise _scaled_mm per 128-wide K chunk")
-                _blockwise_ok[key] = False
-        else:
-            if key not in _blockwise_ok:
-                ref = _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales)
-                err = ((out.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
-                _blockwise_ok[key] = err < 1e-2
-                print0(f"fp8: block-scaled _scaled_mm for {key}: {err:.1e} from the per-chunk path -> "
-                       + ("using it" if err < 1e-2 else "NOT using it"))
-            if _blockwise_ok[key]:
-                return out
-    return _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales).to(out_dtype)
-
-
-def _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales):
-    """The fallback: within one 128-wide K chunk the tile scales are plain row-wise scales (scale_a (M,1),
-    scale_b (1,N)), which every fp8 _scaled_mm supports; the CUTLASS row-wise kernel returns bf16 partials,
-    which we promote and sum in fp32 ourselves. Slower (K/128 GEMMs), and not the emulation's numerics:
-    every chunk's partial sum is rounded to bf16 first (measured 1.66e-3 relative to the emulation,
-    test_scaled_mm_path_matches_emulation)."""
-    M, K = a_fp8.shape
-    N = b_fp8.size(0)
-    b_rows = _row_scales(b_scales, N)
-    acc = torch.zeros(M, N, dtype=torch.float32, device=a_fp8.device)
-    for k in range(K // TILE):
-        cols = slice(k * TILE, (k + 1) * TILE)
-        # contiguous chunks: the row-wise kernels want dense row-major a and column-major b (a copy of 1 byte
-        # per element, small next to the GEMM)
-        acc += torch._scaled_mm(a_fp8[:, cols].contiguous(), b_fp8[:, cols].contiguous().t(),
-                                scale_a=a_scales[:, k, None].contiguous(), scale_b=b_rows[None, :, k].contiguous(),
-                                out_dtype=torch.bfloat16).float()
     return acc
 
 
@@ -514,79 +483,7 @@ def global_mean(t, world, comm: gpt2.CommMeter):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The fp8-vs-baseline comparison
-
-
-def compare_with_baseline(args, records, mode):
-    """Keep this run's curve as OUT/metrics_fp8_<mode>.jsonl (mode: off, on = deepseek tiles, mxfp8, nvfp4);
-    once the baseline (off) and an fp8 run exist in OUT, print the final-loss gap and draw
-    OUT/fp8_vs_baseline.png (deepseek) or OUT/<format>_vs_baseline.png."""
-    with open(os.path.join(args.out, f"metrics_fp8_{mode}.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    others = ["on", "mxfp8", "nvfp4"] if mode == "off" else ["off"]
-    gap = None
-    for other_mode in others:
-        other_path = os.path.join(args.out, f"metrics_fp8_{other_mode}.jsonl")
-        if os.path.exists(other_path):
-            with open(other_path) as f:
-                other = [json.loads(line) for line in f]
-            on_mode = mode if mode != "off" else other_mode
-            gap = _draw_gap(args, *((records, other) if mode != "off" else (other, records)), on_mode, other_path)
-    if gap is None and not any(os.path.exists(os.path.join(args.out, f"metrics_fp8_{m}.jsonl")) for m in others):
-        print0(f"run the same command with --fp8 {'on' if mode == 'off' else 'off'} --out {args.out} to compare")
-    return gap
-
-
-def _draw_gap(args, on_recs, off_recs, on_mode, other_path):
-    on, off = ([(r["step"], r["loss"]) for r in recs if "loss" in r] for recs in (on_recs, off_recs))
-    if not on or not off or on[-1][0] != off[-1][0]:
-        print0(f"{other_path} is a run of a different length: not compared")
-        return None
-    label = "fp8 tiles" if on_mode == "on" else on_mode
-    gap = (on[-1][1] - off[-1][1]) / off[-1][1]
-    print0(f"final train loss: {label} {on[-1][1]:.4f} | baseline {off[-1][1]:.4f} | gap {100 * gap:+.2f}%")
-    val_on, val_off = ([r["val_loss"] for r in recs if "val_loss" in r] for recs in (on_recs, off_recs))
-    if val_on and val_off:
-        print0(f"final val loss:   {label} {val_on[-1]:.4f} | baseline {val_off[-1]:.4f} | "
-               f"gap {100 * (val_on[-1] - val_off[-1]) / val_off[-1]:+.2f}%")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(6, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    ax.plot(*zip(*off), label="baseline (--fp8 off)")
-    ax.plot(*zip(*on), label=f"{label} (--fp8 on)")
-    ax.set_ylabel("train loss (nats/token)")
-    ax.legend()
-    ax2.plot([s for s, _ in on], [100 * (a - b) / b for (_, a), (_, b) in zip(on, off)])
-    ax2.axhline(0, color="gray", lw=0.5)
-    ax2.set_xlabel("step")
-    ax2.set_ylabel(f"{label} - baseline (%)")
-    for a in (ax, ax2):
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "fp8_vs_baseline.png" if on_mode == "on" else f"{on_mode}_vs_baseline.png"), dpi=100)
-    plt.close(fig)
-    return gap
-
-
-# ----------------------------------------------------------------------------------------------------
 # Training
-
-
-def check_format(args):
-    """--format / --nvfp4-recipe, checked before any collective; returns the recipe as a tuple."""
-    if args.nvfp4_recipe is not None and args.format != "nvfp4":
-        gpt2.fail(f"--nvfp4-recipe with --format {args.format}", "--nvfp4-recipe", "add --format nvfp4 or drop it")
-    if args.format != "nvfp4":
-        return ()
-    if args.nvfp4_recipe is None:
-        return NVFP4_RECIPE
-    items = () if args.nvfp4_recipe == "none" else tuple(args.nvfp4_recipe.split(","))
-    bad = [i for i in items if i not in NVFP4_RECIPE]
-    if bad:
-        gpt2.fail(f"unknown --nvfp4-recipe item {bad[0]!r}", "--nvfp4-recipe",
-                  f"give a comma-separated subset of {','.join(NVFP4_RECIPE)}, or none")
-    return items
 
 
 def train(argv=None):
@@ -657,6 +554,157 @@ def train(argv=None):
     metrics.plot()
     mode = "off" if args.fp8 == "off" else "on" if args.format == "deepseek" else args.format
     return compare_with_baseline(args, metrics.records, mode) if ctx.master else None
+
+
+# ====================================================================================================
+# Appendix: the CUDA dispatch of the fp8 GEMM (cuBLAS block-scaled _scaled_mm, row-wise fallback),
+# argument checks, the fp8-vs-baseline comparison and its picture
+# ====================================================================================================
+# The CUDA dispatch of the fp8 GEMM
+
+
+_blockwise_ok = {}  # (device type, out dtype, b's tiling) -> block-scaled _scaled_mm ran here and was right
+
+
+def _cublas_block_scales(scales):
+    """cuBLAS reads 128x128 scales as a K-block-major array whose rows are padded to a multiple of 4 blocks
+    (16 bytes); newer torch checks that stride, older torch wants it unpadded (then only K/128 % 4 == 0
+    passes, the layouts being equal). Returned as _scaled_mm's scale_b: the transpose of (N/128, K/128)."""
+    L = scales.size(1)
+    padded = scales.new_zeros(scales.size(0), -(-L // 4) * 4)
+    padded[:, :L] = scales
+    return padded[:, :L].t()
+
+
+@torch.compiler.disable  # a try/except around a kernel choice is eager-mode code
+def _fp8_matmul_scaled_mm(a_fp8, a_scales, b_fp8, b_scales, out_dtype):
+    """The CUDA path (it also runs on CPU, where torch rejects block scales: the tests use that to check the
+    fallback). torch._scaled_mm computes (a * scale_a) @ (mat2 * scale_b), a row-major, mat2 column-major.
+    Block scales (torch >= 2.9, cuBLAS >= 12.9, sm_90): scale_a (M, K/128) outer-dim-major (column-major),
+    1x128 scale_b a contiguous (K/128, N), 128x128 scale_b see _cublas_block_scales. use_fast_accum=False
+    keeps cuBLAS's fp32 promotion (section 3.3 'increasing accumulation precision'). The first call of each
+    kind is checked against the per-chunk path, so a layout this torch/cuBLAS reads differently cannot
+    silently corrupt training."""
+    N = b_fp8.size(0)
+    b_fp8 = b_fp8.contiguous()  # so that mat2 = b^T is column-major (dgrad hands in W^T, a view)
+    per_row = b_scales.size(0) == N
+    key = (a_fp8.device.type, out_dtype, per_row)
+    if _blockwise_ok.get(key, True):
+        scale_b = b_scales.t().contiguous() if per_row else _cublas_block_scales(b_scales)
+        try:
+            out = torch._scaled_mm(a_fp8, b_fp8.t(), scale_a=a_scales.t().contiguous().t(), scale_b=scale_b,
+                                   out_dtype=out_dtype, use_fast_accum=False)
+        except (RuntimeError, NotImplementedError, ValueError) as e:
+            if key not in _blockwise_ok:  # never worked for this kind of call: say so once, then fall back
+                print0(f"fp8: block-scaled _scaled_mm unavailable for {key} ({str(e).splitlines()[0][:100]}); "
+                       f"using one row-wise _scaled_mm per 128-wide K chunk")
+                _blockwise_ok[key] = False
+        else:
+            if key not in _blockwise_ok:
+                ref = _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales)
+                err = ((out.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+                _blockwise_ok[key] = err < 1e-2
+                print0(f"fp8: block-scaled _scaled_mm for {key}: {err:.1e} from the per-chunk path -> "
+                       + ("using it" if err < 1e-2 else "NOT using it"))
+            if _blockwise_ok[key]:
+                return out
+    return _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales).to(out_dtype)
+
+
+def _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales):
+    """The fallback: within one 128-wide K chunk the tile scales are plain row-wise scales (scale_a (M,1),
+    scale_b (1,N)), which every fp8 _scaled_mm supports; the CUTLASS row-wise kernel returns bf16 partials,
+    which we promote and sum in fp32 ourselves. Slower (K/128 GEMMs), and not the emulation's numerics:
+    every chunk's partial sum is rounded to bf16 first (measured 1.66e-3 relative to the emulation,
+    test_scaled_mm_path_matches_emulation)."""
+    M, K = a_fp8.shape
+    N = b_fp8.size(0)
+    b_rows = _row_scales(b_scales, N)
+    acc = torch.zeros(M, N, dtype=torch.float32, device=a_fp8.device)
+    for k in range(K // TILE):
+        cols = slice(k * TILE, (k + 1) * TILE)
+        # contiguous chunks: the row-wise kernels want dense row-major a and column-major b (a copy of 1 byte
+        # per element, small next to the GEMM)
+        acc += torch._scaled_mm(a_fp8[:, cols].contiguous(), b_fp8[:, cols].contiguous().t(),
+                                scale_a=a_scales[:, k, None].contiguous(), scale_b=b_rows[None, :, k].contiguous(),
+                                out_dtype=torch.bfloat16).float()
+    return acc
+
+
+# ----------------------------------------------------------------------------------------------------
+# Argument checks
+
+
+def check_format(args):
+    """--format / --nvfp4-recipe, checked before any collective; returns the recipe as a tuple."""
+    if args.nvfp4_recipe is not None and args.format != "nvfp4":
+        gpt2.fail(f"--nvfp4-recipe with --format {args.format}", "--nvfp4-recipe", "add --format nvfp4 or drop it")
+    if args.format != "nvfp4":
+        return ()
+    if args.nvfp4_recipe is None:
+        return NVFP4_RECIPE
+    items = () if args.nvfp4_recipe == "none" else tuple(args.nvfp4_recipe.split(","))
+    bad = [i for i in items if i not in NVFP4_RECIPE]
+    if bad:
+        gpt2.fail(f"unknown --nvfp4-recipe item {bad[0]!r}", "--nvfp4-recipe",
+                  f"give a comma-separated subset of {','.join(NVFP4_RECIPE)}, or none")
+    return items
+
+
+# ----------------------------------------------------------------------------------------------------
+# The fp8-vs-baseline comparison
+
+
+def compare_with_baseline(args, records, mode):
+    """Keep this run's curve as OUT/metrics_fp8_<mode>.jsonl (mode: off, on = deepseek tiles, mxfp8, nvfp4);
+    once the baseline (off) and an fp8 run exist in OUT, print the final-loss gap and draw
+    OUT/fp8_vs_baseline.png (deepseek) or OUT/<format>_vs_baseline.png."""
+    with open(os.path.join(args.out, f"metrics_fp8_{mode}.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    others = ["on", "mxfp8", "nvfp4"] if mode == "off" else ["off"]
+    gap = None
+    for other_mode in others:
+        other_path = os.path.join(args.out, f"metrics_fp8_{other_mode}.jsonl")
+        if os.path.exists(other_path):
+            with open(other_path) as f:
+                other = [json.loads(line) for line in f]
+            on_mode = mode if mode != "off" else other_mode
+            gap = _draw_gap(args, *((records, other) if mode != "off" else (other, records)), on_mode, other_path)
+    if gap is None and not any(os.path.exists(os.path.join(args.out, f"metrics_fp8_{m}.jsonl")) for m in others):
+        print0(f"run the same command with --fp8 {'on' if mode == 'off' else 'off'} --out {args.out} to compare")
+    return gap
+
+
+def _draw_gap(args, on_recs, off_recs, on_mode, other_path):
+    on, off = ([(r["step"], r["loss"]) for r in recs if "loss" in r] for recs in (on_recs, off_recs))
+    if not on or not off or on[-1][0] != off[-1][0]:
+        print0(f"{other_path} is a run of a different length: not compared")
+        return None
+    label = "fp8 tiles" if on_mode == "on" else on_mode
+    gap = (on[-1][1] - off[-1][1]) / off[-1][1]
+    print0(f"final train loss: {label} {on[-1][1]:.4f} | baseline {off[-1][1]:.4f} | gap {100 * gap:+.2f}%")
+    val_on, val_off = ([r["val_loss"] for r in recs if "val_loss" in r] for recs in (on_recs, off_recs))
+    if val_on and val_off:
+        print0(f"final val loss:   {label} {val_on[-1]:.4f} | baseline {val_off[-1]:.4f} | "
+               f"gap {100 * (val_on[-1] - val_off[-1]) / val_off[-1]:+.2f}%")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(6, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    ax.plot(*zip(*off), label="baseline (--fp8 off)")
+    ax.plot(*zip(*on), label=f"{label} (--fp8 on)")
+    ax.set_ylabel("train loss (nats/token)")
+    ax.legend()
+    ax2.plot([s for s, _ in on], [100 * (a - b) / b for (_, a), (_, b) in zip(on, off)])
+    ax2.axhline(0, color="gray", lw=0.5)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel(f"{label} - baseline (%)")
+    for a in (ax, ax2):
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "fp8_vs_baseline.png" if on_mode == "on" else f"{on_mode}_vs_baseline.png"), dpi=100)
+    plt.close(fig)
+    return gap
 
 
 if __name__ == "__main__":
