@@ -29,7 +29,13 @@ appears suddenly; a 1x128 tile's amax is local and cheap, so tiles need no histo
 fp32 tensor scale), emulated from primitives on every device. GEMM error vs fp64 (randn, 1024x768x768):
 bf16 0.23%, deepseek 3.72%, mxfp8 3.74%, nvfp4 14.62% (18.83% beside a x100 outlier channel). NVFP4's
 recipe (--nvfp4-recipe, default all): a 16x16 random Hadamard transform on wgrad's inputs, stochastic
-rounding of the gradients, the last ~15% of blocks in high precision (NVIDIA, arXiv 2509.25149).
+rounding of the gradients, the last ~15% of blocks in high precision (NVIDIA, arXiv 2509.25149). Measured
+per GEMM they cost accuracy: Hadamard 8.67% -> 13.50% on heavy-tailed wgrad inputs (it evens a block out,
+so its largest values lose the precision they had), stochastic rounding raises dgrad's error 14.6% -> 17.7%
+(unbiased, noisier); they pay off over long runs, which no CPU test here reaches. A 4x64 model, 60 steps
+(tests/bench_fp8.py --formats): every format and variant ends 1.2-1.4% BELOW --fp8 off, all within 0.2%
+of each other: the gap is the timing of a loss drop near step 40 that every quantized run reaches first,
+so this run cannot rank the formats.
 
 GPT-2 124M at 8 ranks (B=16, T=1024, bf16 autocast; python tests/bench_fp8.py --per-rank-124m):
     all-reduce per step    871.3 MB = 2 x 7/8 x 4 B x 124.5M params (+4 B loss); fp8 does not change it
