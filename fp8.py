@@ -10,10 +10,42 @@ so K is cut into 128-wide chunks: the tensor core multiplies a chunk in fp8, the
 fp32, multiplied by that chunk's two scales and accumulated in fp32. The promotion also bounds the
 limited-precision accumulation of Hopper's fp8 tensor cores (~14 bits, section 3.3.2) to 128-term runs; it
 does not remove it. Scales of x are powers of 2 (rounded up, as DeepGEMM's UE8M0 scales), so that the
-wgrad re-cut of x's tiles adds no rounding (section 3.3.3; measured: wgrad error vs fp64 4.43% -> 3.68%). The four Linear layers of every block run this way in forward
-(x @ W^T), dgrad (dy @ W) and wgrad (dy^T @ x); the master weights, the optimizer, embeddings, LayerNorm,
-attention and the head stay in high precision. `--fp8 off` is the identical run without it: an fp8 loss
-curve means something only next to that baseline.
+wgrad re-cut of x's tiles adds no rounding (section 3.3.3; measured: wgrad error vs fp64 4.43% -> 3.68%).
+The four Linear layers of every block run this way in forward (x @ W^T), dgrad (dy @ W) and wgrad
+(dy^T @ x); the master weights, the optimizer, embeddings, LayerNorm, attention and the head stay in high
+precision, and dW leaves the fp32 accumulator unrounded. `--fp8 off` is the identical run without it: an
+fp8 loss curve means something only next to that baseline.
+
+What fp8 buys: (1) tensor-core FLOPs: an H100 SXM's dense fp8 peak is 1979 TFLOP/s against 989 for bf16,
+2x on the GEMMs (tests/bench_fp8.py measures what the 128-chunk promotion and the quantization leave of
+it); (2) the blocks' Linear inputs are saved for backward in 1 byte (+ 4 bytes of scale per 128) instead
+of 2. Scaling is current ("online"): each tile's scale comes from its own amax in this very step (section
+3.3.2). The alternative, delayed scaling (Transformer Engine's per-tensor recipe), takes the scale from an
+amax history of earlier steps, saving a pass over the tensor before the cast but clipping an outlier that
+appears suddenly; a 1x128 tile's amax is local and cheap, so tiles need no history.
+
+--format mxfp8 | nvfp4 runs the same three GEMMs in the block-scaled formats of Blackwell's tensor cores
+(OCP MXFP8: e4m3 in 1x32 blocks with UE8M0 scales; NVFP4: e2m1 in 16-blocks with e4m3 block scales and an
+fp32 tensor scale), emulated from primitives on every device. GEMM error vs fp64 (randn, 1024x768x768):
+bf16 0.23%, deepseek 3.72%, mxfp8 3.74%, nvfp4 14.62% (18.83% beside a x100 outlier channel). NVFP4's
+recipe (--nvfp4-recipe, default all): a 16x16 random Hadamard transform on wgrad's inputs, stochastic
+rounding of the gradients, the last ~15% of blocks in high precision (NVIDIA, arXiv 2509.25149). Measured
+per GEMM they cost accuracy: Hadamard 8.67% -> 13.50% on heavy-tailed wgrad inputs (it evens a block out,
+so its largest values lose the precision they had), stochastic rounding raises dgrad's error 14.6% -> 17.7%
+(unbiased, noisier); they pay off over long runs, which no CPU test here reaches. A 4x64 model, 60 steps
+(tests/bench_fp8.py --formats): every format and variant ends 1.2-1.4% BELOW --fp8 off, all within 0.2%
+of each other: the gap is the timing of a loss drop near step 40 that every quantized run reaches first,
+so this run cannot rank the formats.
+
+GPT-2 124M at 8 ranks (B=16, T=1024, bf16 autocast; python tests/bench_fp8.py --per-rank-124m):
+    all-reduce per step    871.3 MB = 2 x 7/8 x 4 B x 124.5M params (+4 B loss); fp8 does not change it
+    params/grads/AdamW     498 + 498 + 996 MB = 16 B x 124.5M (fp32 master weights, as --fp8 off)
+    saved activations      --fp8 off 8821 MB | --fp8 on 8099 MB | mxfp8 8099 MB | nvfp4 7807 MB, measured:
+                           3372 MB outside the blocks (embeddings, head, logits: never fp8) + 12 blocks x
+                           454 MB (off) or 394 MB (on). Per token and block, 1-byte copies of the inputs of
+                           c_attn, c_fc and mlp.c_proj save 768+768+3072 B; attn.c_proj's input is SDPA's
+                           output, which SDPA saves anyway, so its copy adds 768 B; scales add 168 B:
+                           3672 B x 16384 tokens = 60 MB per block, 722 MB in all (-8%).
 
     forward  y  = x @ W^T      x: 1x128 tiles along K        W: 128x128 blocks
     dgrad    dx = dy @ W       dy: 1x128 tiles along N       W^T: the same blocks, transposed (no requant)
@@ -35,7 +67,10 @@ Launch:
     torchrun --nproc_per_node=2 fp8.py --fp8 on  --device cpu --steps 60 --seq-len 64 --out out/fp8
         -> the second run draws out/fp8/fp8_vs_baseline.png and prints the final-loss gap
     torchrun --nproc_per_node=8 fp8.py --fp8 on --model gpt2 --data data/fineweb10B --batch-size 16 --seq-len 1024 --grad-accum 4
+    torchrun --nproc_per_node=2 fp8.py --format nvfp4 --device cpu --steps 60 --seq-len 64 --out out/fp8
+        -> out/fp8/nvfp4_vs_baseline.png (metrics_fp8_<off|on|mxfp8|nvfp4>.jsonl: one curve per format)
     python tests/bench_fp8.py          # fp8 vs bf16 GEMM TFLOP/s on a GPU; emulation accuracy on CPU
+    python tests/bench_fp8.py --formats   # per format: GEMM error, loss gap, out/bench_fp8/fp8_formats.png
 
 On CPU the fp8 GEMM is an emulation: the same fp8 values and scales, each chunk summed in full fp32. It is
 an upper bound on the hardware's accuracy (whose ~14-bit in-chunk accumulation it does not model), not a
@@ -46,7 +81,14 @@ partial sums are added in fp32 (1.66e-3 from the emulation, measured: the bf16 r
 References: DeepSeek-V3 technical report (arXiv 2412.19437) sections 3.3 (fine-grained quantization,
 increasing accumulation precision, online quantization) and 3.5.2 (the transposed re-quantization for
 wgrad); Micikevicius et al. 2022, "FP8 formats for deep learning" (e4m3/e5m2); DeepSeek's DeepGEMM;
-PyTorch's torch._scaled_mm (aten/src/ATen/native/cuda/Blas.cpp) and torchao's float8 training.
+PyTorch's torch._scaled_mm (aten/src/ATen/native/cuda/Blas.cpp) and torchao's float8 training; OCP
+Microscaling Formats (MX) v1.0; NVIDIA, "Pretraining Large Language Models with NVFP4" (arXiv 2509.25149).
+Differences: the CPU path is an emulation (above); MXFP8 scales are rounded up (the OCP spec's floor may
+saturate the block's largest value); NVFP4's Hadamard uses one fixed sign pattern, not a fresh one per step.
+
+gpt2.py pieces used: make_parser, check_args, fail, run_main, setup, build_model, make_loaders,
+model_config, optimizer_groups, make_adamw, set_lr, accumulate_grads, evaluate, check_finite, print0, CommMeter,
+Metrics, Profiler.
 """
 import json
 import math
@@ -155,7 +197,8 @@ def _row_scales(b_scales, N):
 
 def fp8_matmul(a_fp8, a_scales, b_fp8, b_scales, out_dtype=torch.float32):
     """a @ b^T for a (M, K) in 1x128 tiles and b (N, K) in 1x128 tiles (scales (N, K/128)) or 128x128
-    blocks (scales (ceil(N/128), K/128)); K must be padded to 128 (the quantize_* functions do it)."""
+    blocks (scales (ceil(N/128), K/128)); K must be padded to 128 (the quantize_* functions do it).
+    CPU: the emulation below; CUDA: cuBLAS's block-scaled _scaled_mm (_fp8_matmul_scaled_mm, in the Appendix)."""
     (M, K), N = a_fp8.shape, b_fp8.size(0)
     if a_fp8.dtype != FP8 or b_fp8.dtype != FP8 or b_fp8.size(1) != K or K % TILE:
         raise ValueError(f"fp8_matmul wants e4m3 a (M,K), b (N,K) with K a multiple of {TILE}; "
@@ -168,6 +211,7 @@ def fp8_matmul(a_fp8, a_scales, b_fp8, b_scales, out_dtype=torch.float32):
     return _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales).to(out_dtype)
 
 
+@torch.compiler.disable  # an opaque GEMM call, like the CUDA path; inductor (torch 2.13, CPU) miscompiles it
 def _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales):
     """The hardware's algorithm in fp32 on any device: e4m3 values are exact in fp32 and so are their
     pairwise products (8 significant bits); each chunk's 128 products are summed in fp32, where the tensor
@@ -181,6 +225,348 @@ def _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales):
         partial = a_fp8[:, cols].float() @ b_fp8[:, cols].float().t()  # the unscaled fp8 chunk product
         acc += partial * a_scales[:, k, None] * b_rows[None, :, k]
     return acc
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fp8Linear: forward, dgrad and wgrad all in fp8 tiles; fp32 master weights
+
+
+class Fp8LinearFn(torch.autograd.Function):
+    """y = x @ W^T with x in 1x128 tiles and W in 128x128 blocks. Saves the fp8 x and W (1 byte per
+    element instead of 2 or 4). The bias is added outside, by autograd, in high precision.
+    pow2: x's scales are powers of 2 (rounded up), in forward and where wgrad re-cuts x's tiles along the
+    tokens, so the re-quantization of the saved fp8 x loses (almost) nothing (DeepSeek-V3 section 3.3.3)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, pow2=True):
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        N, K = weight.shape
+        with torch.autocast(dev, enabled=False):  # the promotion must stay fp32, whatever autocast says
+            x2 = x.reshape(-1, K)  # (B*T, K)
+            x_fp8, x_scales = quantize_1x128(x2, pow2)
+            w_fp8, w_scales = quantize_128x128(weight)
+            y = fp8_matmul(x_fp8, x_scales, w_fp8, w_scales, out_dtype)[:, :N]  # (B*T, N)
+        ctx.save_for_backward(x_fp8, x_scales, w_fp8, w_scales)
+        ctx.shapes, ctx.dtypes = (x.shape, x2.shape, weight.shape), (x.dtype, weight.dtype)
+        ctx.pow2 = pow2
+        return y.reshape(*x.shape[:-1], N)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_fp8, x_scales, w_fp8, w_scales = ctx.saved_tensors
+        x_shape, x2_shape, (N, K) = ctx.shapes
+        with torch.autocast(dy.device.type, enabled=False):
+            dy2 = dy.reshape(-1, N)  # (B*T, N)
+            # dgrad contracts over N: dy in 1x128 tiles along N, W^T = the forward's blocks transposed
+            dy_fp8, dy_scales = quantize_1x128(dy2)
+            dx = fp8_matmul(dy_fp8, dy_scales, w_fp8.t(), w_scales.t(), dy.dtype)[:, :K]  # (B*T, K)
+            # wgrad contracts over the tokens: both operands are re-cut into 1x128 tiles along the token
+            # dim; x comes back from its saved fp8 copy (dequantize, transpose, requantize: section 3.5.2).
+            # With power-of-2 scales both steps only shift exponents: a value changes only if the new tile's
+            # larger scale pushes it into e4m3's subnormals (measured: 0.0002% of values, against 99.2%
+            # changed with plain amax/448 scales; test_pow2_scales_make_the_wgrad_recut_lossless)
+            x_hp = dequantize_1x128(x_fp8, x_scales, x2_shape)  # (B*T, K) fp32
+            xt_fp8, xt_scales = quantize_1x128(x_hp.t(), ctx.pow2)  # (K, B*T) in 1x128 tiles along tokens
+            dyt_fp8, dyt_scales = quantize_1x128(dy2.t())  # (N, B*T)
+            # fp32 out: the accumulator is fp32 anyway and the master weights are fp32, so rounding dW to
+            # bf16 (what an autocast nn.Linear does) would throw away bits for nothing
+            dw = fp8_matmul(dyt_fp8, dyt_scales, xt_fp8, xt_scales, torch.float32)  # (N, K)
+        x_dtype, w_dtype = ctx.dtypes
+        return dx.reshape(x_shape).to(x_dtype), dw.to(w_dtype), None
+
+
+class Fp8Linear(nn.Linear):
+    """A drop-in nn.Linear (same parameters, same state_dict) whose matmuls run in fp8 tiles."""
+    pow2 = True  # power-of-2 scales for x (forward and the wgrad re-cut); False: plain amax/448 scales
+    fmt, recipe = "deepseek", ()  # or "mxfp8" / "nvfp4" (with recipe items of NVFP4_RECIPE): see below
+
+    def forward(self, x):
+        if self.fmt == "deepseek":
+            y = Fp8LinearFn.apply(x, self.weight, self.pow2)
+        else:
+            y = BlockScaledLinearFn.apply(x, self.weight, self.fmt, self.recipe)
+        # the bias outside the Function, in the output's dtype: autograd sums its gradient in high precision
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias  # share the fp32 master parameters, no re-init
+        return new
+
+
+# ----------------------------------------------------------------------------------------------------
+# The formats after DeepSeek's tiles: MXFP8 and NVFP4, the block-scaled formats of Blackwell's tensor cores
+#
+#   format    element          block along K   block scale                      tensor scale
+#   deepseek  e4m3 (448)       1x128 / 128x128 fp32 (x: power of 2)             -
+#   mxfp8     e4m3 (448)       1x32            UE8M0 (a power of 2, 1 byte)     -
+#   nvfp4     e2m1 (6, 4 bits) 1x16 (W: 16x16) e4m3 (1 byte)                    fp32
+#
+# The hardware multiplies blocks and applies both block scales inside the tensor core, accumulating in fp32,
+# so there is no per-chunk promotion to write: the emulation dequantizes both operands (exact in fp32: an
+# e2m1 x e4m3 product has at most 6 significant bits) and multiplies them in fp32. The tensor scale of
+# NVFP4 is applied in the dequantization (one fp32 rounding, 2^-24). Blocks run along the contraction dim of
+# each GEMM, so x, W and dy are quantized once per GEMM they enter, each from high precision (the column
+# copies of x and, for nvfp4, the 16x16 weight blocks are made in forward, as Transformer Engine does).
+
+FORMATS = ("deepseek", "mxfp8", "nvfp4")
+MX_BLOCK = {"mxfp8": 32, "nvfp4": 16}
+E2M1_MAX = 6.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the 8 magnitudes; the 4-bit code is sign<<3 | index
+NVFP4_RECIPE = ("hadamard", "sr", "last")  # NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149 section 4)
+
+
+def round_e2m1(y, stochastic=False):
+    """|y| <= 6 -> the nearest e2m1 value (ties to even), or stochastically rounded (unbiased: E[q] = y).
+    e2m1's steps are 0.5 below 2, 1 below 4, 2 up to 6: divide by the step, round to an integer, multiply."""
+    mag = y.abs()
+    step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
+    units = mag / step
+    units = torch.floor(units + torch.rand_like(units)) if stochastic else torch.round(units)  # round: half to even
+    return torch.copysign((units * step).clamp(max=E2M1_MAX), y)
+
+
+def pack_e2m1(values):
+    """e2m1 values (R, C), C even -> (R, C/2) uint8, two 4-bit codes per byte, the first in the low nibble
+    (torch.float4_e2m1fn_x2's layout)."""
+    grid = torch.tensor(E2M1_VALUES, device=values.device)
+    codes = torch.searchsorted(grid, values.abs().contiguous()).to(torch.uint8) | (values < 0).to(torch.uint8) << 3
+    return codes[:, 0::2] | codes[:, 1::2] << 4
+
+
+def unpack_e2m1(packed):
+    grid = torch.tensor(E2M1_VALUES, device=packed.device)
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.size(0), -1).long()  # (R, C)
+    return torch.where(codes >= 8, -grid[codes & 7], grid[codes & 7])
+
+
+def hadamard_16(device):
+    """A 16x16 random Hadamard transform Q = H diag(signs) / 4, orthogonal (Q Q^T = I): applied to both
+    operands along a GEMM's contraction dim it leaves the product unchanged, (a Q)(b Q)^T = a b^T, while
+    spreading an outlier over its 16-block (the paper applies it to wgrad's inputs, section 4.2)."""
+    h = torch.ones(1, 1)
+    while h.size(0) < 16:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)  # Sylvester's construction
+    signs = torch.tensor([1, -1, -1, 1, -1, 1, 1, 1, -1, -1, 1, -1, 1, 1, -1, 1.0])  # fixed random signs
+    return (h * signs / 4).to(device)
+
+
+def rotate_16(x, q):
+    """x (R, C) times the block-diagonal diag(q, q, ...) along C (zero-padded to 16)."""
+    R, C = x.shape
+    xp = F.pad(x, (0, -C % 16))
+    return (xp.view(R, -1, 16) @ q).view(R, -1)
+
+
+def quantize_blocks(x, fmt, stochastic=False, square=False):
+    """x (R, C) -> (codes, scales, tensor_scale) in 1 x b blocks along C (b = 32 mxfp8, 16 nvfp4; C padded).
+    mxfp8: e4m3 codes, UE8M0 scales (powers of 2 rounded up, float8_e8m0fnu), no tensor scale.
+    nvfp4: e2m1 codes packed 2 per byte, e4m3 block scales of amax/6 measured in units of an fp32 tensor
+    scale amax_tensor/(448*6), which keeps the block scales inside e4m3's range.
+    square: 16x16 blocks (nvfp4 weights), so W and W^T share one quantization."""
+    b = MX_BLOCK[fmt]
+    xp = F.pad(x.float(), (0, -x.size(1) % b, 0, -x.size(0) % b if square else 0))
+    R, C = xp.shape
+    if square:  # the amax of each b x b block, repeated over its b rows
+        amax = xp.view(R // b, b, C // b, b).abs().amax(dim=(1, 3)).repeat_interleave(b, dim=0)
+    else:
+        amax = xp.view(R, C // b, b).abs().amax(dim=-1)  # (R, C/b)
+    blocks = xp.view(R, C // b, b)
+    if fmt == "mxfp8":
+        scales = _pow2_up(amax.clamp(min=AMAX_FLOOR) / FP8_MAX)
+        return _to_fp8(blocks, scales[..., None]).view(R, C), scales.to(torch.float8_e8m0fnu), None
+    tensor_scale = xp.abs().amax().clamp(min=AMAX_FLOOR * E2M1_MAX) / (FP8_MAX * E2M1_MAX)
+    scales = (amax / E2M1_MAX / tensor_scale).clamp(max=FP8_MAX).to(FP8)  # e4m3, rounded to nearest
+    decode = scales.float() * tensor_scale
+    y = torch.where(decode[..., None] > 0, blocks / decode[..., None], 0.0).clamp(-E2M1_MAX, E2M1_MAX)
+    return pack_e2m1(round_e2m1(y, stochastic).view(R, C)), scales, tensor_scale
+
+
+def dequantize_blocks(codes, scales, tensor_scale, fmt, shape):
+    b = MX_BLOCK[fmt]
+    values = codes.float() if fmt == "mxfp8" else unpack_e2m1(codes)
+    R, C = values.shape
+    x = values.view(R, C // b, b) * scales.float()[..., None]
+    if tensor_scale is not None:
+        x = x * tensor_scale
+    return x.view(R, C)[: shape[0], : shape[1]]
+
+
+def block_scaled_matmul(a, b, fmt, a_sr=False, b_sr=False, b_square=False):
+    """a (M, K) @ b (N, K)^T with both operands quantized in blocks along K: what one block-scaled MMA
+    computes (the CPU emulation: exact products, fp32 sums). Returns fp32 (M, N)."""
+    aq = dequantize_blocks(*quantize_blocks(a, fmt, a_sr), fmt, a.shape)
+    bq = dequantize_blocks(*quantize_blocks(b, fmt, b_sr, b_square), fmt, b.shape)
+    return aq @ bq.t()
+
+
+class BlockScaledLinearFn(torch.autograd.Function):
+    """y = x @ W^T in MXFP8 or NVFP4, all three GEMMs with their operands blocked along the contraction dim.
+    recipe (nvfp4): 'hadamard' rotates wgrad's inputs (dy^T, x^T along the tokens) by a 16x16 random
+    Hadamard transform; 'sr' rounds the gradient dy stochastically (unbiased, so small updates survive);
+    the weights use 16x16 blocks, so dgrad reuses forward's W. mxfp8 quantizes W^T afresh for dgrad."""
+
+    @staticmethod
+    def forward(ctx, x, weight, fmt, recipe):
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        N, K = weight.shape
+        square = fmt == "nvfp4"
+        with torch.autocast(dev, enabled=False):
+            x2 = x.reshape(-1, K).float()  # (B*T, K)
+            wq = quantize_blocks(weight, fmt, square=square)
+            w_hp = dequantize_blocks(*wq, fmt, weight.shape)  # (N, K), the values the tensor core sees
+            y = dequantize_blocks(*quantize_blocks(x2, fmt), fmt, x2.shape) @ w_hp.t()  # (B*T, N)
+            # wgrad's copy of x, blocked along the tokens, made now from high precision and saved
+            xt = x2.t()  # (K, B*T)
+            if "hadamard" in recipe:
+                xt = rotate_16(xt, hadamard_16(x.device))
+            xtq = quantize_blocks(xt, fmt)
+        ctx.save_for_backward(*[t for t in xtq + (wq if square else (weight,)) if t is not None])
+        ctx.meta = (fmt, recipe, x.shape, xt.shape, weight.shape, x.dtype, weight.dtype, square)
+        return y.to(out_dtype).reshape(*x.shape[:-1], N)
+
+    @staticmethod
+    def backward(ctx, dy):
+        fmt, recipe, x_shape, xt_shape, (N, K), x_dtype, w_dtype, square = ctx.meta
+        saved = list(ctx.saved_tensors)
+        xt_codes, xt_scales = saved[:2]
+        xt_ts = saved[2] if fmt == "nvfp4" else None
+        sr = "sr" in recipe
+        with torch.autocast(dy.device.type, enabled=False):
+            dy2 = dy.reshape(-1, N).float()  # (B*T, N)
+            if square:  # W^T: the forward's 16x16 blocks, transposed
+                w_codes, w_scales, w_ts = saved[3:]
+                wt_hp = dequantize_blocks(w_codes, w_scales, w_ts, fmt, (N, K)).t()  # (K, N)
+            else:
+                wt_hp = dequantize_blocks(*quantize_blocks(saved[2].t(), fmt), fmt, (K, N))
+            dx = dequantize_blocks(*quantize_blocks(dy2, fmt, sr), fmt, dy2.shape) @ wt_hp.t()  # (B*T, K)
+            dyt = dy2.t()  # (N, B*T)
+            if "hadamard" in recipe:
+                dyt = rotate_16(dyt, hadamard_16(dy.device))
+            xt_hp = dequantize_blocks(xt_codes, xt_scales, xt_ts, fmt, xt_shape)
+            dw = dequantize_blocks(*quantize_blocks(dyt, fmt, sr), fmt, dyt.shape) @ xt_hp.t()  # (N, K) fp32
+        return dx.reshape(x_shape).to(x_dtype), dw.to(w_dtype), None, None
+
+
+def convert_to_fp8(model: gpt2.GPT, fmt="deepseek", recipe=()):
+    """Swap the four Linear layers of every block for Fp8Linear; embeddings, LayerNorms, attention's
+    softmax and the (tied) head stay in high precision, as in DeepSeek-V3 section 3.3. nvfp4 with 'last'
+    also keeps the last ~15% of the blocks (at least one) in high precision, as the NVFP4 recipe does."""
+    keep = max(1, round(0.15 * len(model.h))) if fmt == "nvfp4" and "last" in recipe else 0
+    for block in list(model.h)[: len(model.h) - keep]:
+        for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
+            layer = Fp8Linear.from_linear(getattr(parent, name))
+            layer.fmt, layer.recipe = fmt, tuple(recipe)
+            setattr(parent, name, layer)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data parallel: a hand-written gradient all-reduce
+
+
+def all_reduce_grads(params, world, comm: gpt2.CommMeter):
+    """Sum every rank's gradients in one flat fp32 bucket (one collective instead of one per tensor),
+    divide by the world size: each rank now holds the gradient of the global batch mean."""
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    comm.all_reduce(flat.numel() * flat.element_size(), world)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def global_mean(t, world, comm: gpt2.CommMeter):
+    dist.all_reduce(t)
+    comm.all_reduce(t.numel() * t.element_size(), world)
+    return t / world
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+
+
+def train(argv=None):
+    p = gpt2.make_parser("GPT-2 with tile-scaled fp8 Linear layers (DeepSeek-V3 section 3.3), data parallel.")
+    p.add_argument("--fp8", default="on", choices=["on", "off"],
+                   help="on: the blocks' Linear layers in fp8 tiles; off: the identical bf16 (CUDA) / fp32 (CPU) baseline")
+    p.add_argument("--format", default="deepseek", choices=FORMATS,
+                   help="deepseek: e4m3 in 1x128/128x128 tiles; mxfp8: e4m3 in 1x32 blocks, UE8M0 scales; "
+                        "nvfp4: e2m1 in 16-blocks, e4m3 block scales, fp32 tensor scale (all emulated off Hopper)")
+    p.add_argument("--nvfp4-recipe", default=None,
+                   help=f"comma-separated subset of {','.join(NVFP4_RECIPE)} or 'none' (default: all of them) "
+                        "for --format nvfp4: Hadamard on wgrad inputs, stochastic rounding of gradients, "
+                        "the last ~15%% of blocks in high precision")
+    args = p.parse_args(argv)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    # validate everything before the first collective: a bad flag fails every rank, none hangs
+    gpt2.check_args(args)
+    recipe = check_format(args)
+    cfg = gpt2.model_config(args)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.fp8 == "on" and args.format == "deepseek" and use_cuda:  # mxfp8/nvfp4 are emulated on any GPU
+        cap = torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", 0)))
+        if cap < (8, 9):
+            gpt2.fail(f"this GPU is sm_{cap[0]}{cap[1]}, fp8 tensor cores need sm_89 or newer", "--fp8",
+                      "use --fp8 off, or --device cpu to emulate")
+    train_loader, val_loader = gpt2.make_loaders(args, rank, world, cfg.vocab_size)
+
+    ctx = gpt2.setup(args)
+    model = gpt2.build_model(args)
+    if args.fp8 == "on":
+        convert_to_fp8(model, args.format, recipe)
+    model.to(ctx.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
+    fwd = torch.compile(model) if args.compile else model
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), tokens_per_step)
+    profiler, comm = gpt2.Profiler(args, ctx), gpt2.CommMeter()
+    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {world} rank(s) | "
+           f"device {ctx.device} {ctx.dtype} | fp8 {args.fp8}"
+           + (f" {args.format}" + (f" ({','.join(recipe) or 'no recipe'})" if args.format == "nvfp4" else "")
+              if args.fp8 == "on" else "")
+           + (" (CPU emulation)" if args.fp8 == "on" and ctx.device.type == "cpu" else ""))
+
+    def loss_fn(x, y):
+        with ctx.autocast():
+            return fwd(x, y)[1]
+
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = gpt2.set_lr(opt, step, args)
+        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
+        if world > 1:
+            all_reduce_grads(params, world, comm)
+            loss_sum = global_mean(loss_sum, world, comm)
+        if args.grad_clip > 0:  # the grads are now identical on every rank: the local norm is the global one
+            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_val = loss_sum.item()
+        gpt2.check_finite(loss_val, step)
+        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb())
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            model.eval()
+            metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
+            model.train()
+    metrics.plot()
+    mode = "off" if args.fp8 == "off" else "on" if args.format == "deepseek" else args.format
+    return compare_with_baseline(args, metrics.records, mode) if ctx.master else None
+
+
+# ====================================================================================================
+# Appendix: the CUDA dispatch of the fp8 GEMM (cuBLAS block-scaled _scaled_mm, row-wise fallback),
+# argument checks, the fp8-vs-baseline comparison and its picture
+# ====================================================================================================
+# The CUDA dispatch of the fp8 GEMM
 
 
 _blockwise_ok = {}  # (device type, out dtype, b's tiling) -> block-scaled _scaled_mm ran here and was right
@@ -252,102 +638,23 @@ def _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Fp8Linear: forward, dgrad and wgrad all in fp8 tiles; fp32 master weights
+# Argument checks
 
 
-class Fp8LinearFn(torch.autograd.Function):
-    """y = x @ W^T + b with x in 1x128 tiles and W in 128x128 blocks. Saves the fp8 x and W (1 byte per
-    element instead of 2 or 4). The bias and its gradient stay in high precision.
-    pow2: x's scales are powers of 2 (rounded up), in forward and where wgrad re-cuts x's tiles along the
-    tokens, so the re-quantization of the saved fp8 x loses (almost) nothing (DeepSeek-V3 section 3.3.3)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, pow2=True):
-        dev = x.device.type
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        N, K = weight.shape
-        with torch.autocast(dev, enabled=False):  # the promotion must stay fp32, whatever autocast says
-            x2 = x.reshape(-1, K)  # (B*T, K)
-            x_fp8, x_scales = quantize_1x128(x2, pow2)
-            w_fp8, w_scales = quantize_128x128(weight)
-            y = fp8_matmul(x_fp8, x_scales, w_fp8, w_scales, out_dtype)[:, :N]  # (B*T, N)
-            if bias is not None:
-                y = y + bias.to(out_dtype)
-        ctx.save_for_backward(x_fp8, x_scales, w_fp8, w_scales)
-        ctx.shapes, ctx.dtypes, ctx.has_bias = (x.shape, x2.shape, weight.shape), (x.dtype, weight.dtype), bias is not None
-        ctx.pow2 = pow2
-        return y.reshape(*x.shape[:-1], N)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x_fp8, x_scales, w_fp8, w_scales = ctx.saved_tensors
-        x_shape, x2_shape, (N, K) = ctx.shapes
-        with torch.autocast(dy.device.type, enabled=False):
-            dy2 = dy.reshape(-1, N)  # (B*T, N)
-            # dgrad contracts over N: dy in 1x128 tiles along N, W^T = the forward's blocks transposed
-            dy_fp8, dy_scales = quantize_1x128(dy2)
-            dx = fp8_matmul(dy_fp8, dy_scales, w_fp8.t(), w_scales.t(), dy.dtype)[:, :K]  # (B*T, K)
-            # wgrad contracts over the tokens: both operands are re-cut into 1x128 tiles along the token
-            # dim; x comes back from its saved fp8 copy (dequantize, transpose, requantize: section 3.5.2).
-            # With power-of-2 scales both steps only shift exponents: a value changes only if the new tile's
-            # larger scale pushes it into e4m3's subnormals (measured: 0.0002% of values, against 99.2%
-            # changed with plain amax/448 scales; test_pow2_scales_make_the_wgrad_recut_lossless)
-            x_hp = dequantize_1x128(x_fp8, x_scales, x2_shape)  # (B*T, K) fp32
-            xt_fp8, xt_scales = quantize_1x128(x_hp.t(), ctx.pow2)  # (K, B*T) in 1x128 tiles along tokens
-            dyt_fp8, dyt_scales = quantize_1x128(dy2.t())  # (N, B*T)
-            # fp32 out: the accumulator is fp32 anyway and the master weights are fp32, so rounding dW to
-            # bf16 (what an autocast nn.Linear does) would throw away bits for nothing
-            dw = fp8_matmul(dyt_fp8, dyt_scales, xt_fp8, xt_scales, torch.float32)  # (N, K)
-            db = dy2.float().sum(0) if ctx.has_bias else None
-        x_dtype, w_dtype = ctx.dtypes
-        return dx.reshape(x_shape).to(x_dtype), dw.to(w_dtype), None if db is None else db.to(w_dtype), None
-
-
-class Fp8Linear(nn.Linear):
-    """A drop-in nn.Linear (same parameters, same state_dict) whose matmuls run in fp8 tiles."""
-    pow2 = True  # power-of-2 scales for x (forward and the wgrad re-cut); False: plain amax/448 scales
-
-    def forward(self, x):
-        return Fp8LinearFn.apply(x, self.weight, self.bias, self.pow2)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
-        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
-        new.weight, new.bias = linear.weight, linear.bias  # share the fp32 master parameters, no re-init
-        return new
-
-
-def convert_to_fp8(model: gpt2.GPT):
-    """Swap the four Linear layers of every block for Fp8Linear; embeddings, LayerNorms, attention's
-    softmax and the (tied) head stay in high precision, as in DeepSeek-V3 section 3.3."""
-    for block in model.h:
-        for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
-            setattr(parent, name, Fp8Linear.from_linear(getattr(parent, name)))
-    return model
-
-
-# ----------------------------------------------------------------------------------------------------
-# Data parallel: a hand-written gradient all-reduce
-
-
-def all_reduce_grads(params, world, comm: gpt2.CommMeter):
-    """Sum every rank's gradients in one flat fp32 bucket (one collective instead of one per tensor),
-    divide by the world size: each rank now holds the gradient of the global batch mean."""
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    comm.all_reduce(flat.numel() * flat.element_size(), world)
-    flat /= world
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def global_mean(t, world, comm: gpt2.CommMeter):
-    dist.all_reduce(t)
-    comm.all_reduce(t.numel() * t.element_size(), world)
-    return t / world
+def check_format(args):
+    """--format / --nvfp4-recipe, checked before any collective; returns the recipe as a tuple."""
+    if args.nvfp4_recipe is not None and args.format != "nvfp4":
+        gpt2.fail(f"--nvfp4-recipe with --format {args.format}", "--nvfp4-recipe", "add --format nvfp4 or drop it")
+    if args.format != "nvfp4":
+        return ()
+    if args.nvfp4_recipe is None:
+        return NVFP4_RECIPE
+    items = () if args.nvfp4_recipe == "none" else tuple(args.nvfp4_recipe.split(","))
+    bad = [i for i in items if i not in NVFP4_RECIPE]
+    if bad:
+        gpt2.fail(f"unknown --nvfp4-recipe item {bad[0]!r}", "--nvfp4-recipe",
+                  f"give a comma-separated subset of {','.join(NVFP4_RECIPE)}, or none")
+    return items
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -355,109 +662,55 @@ def global_mean(t, world, comm: gpt2.CommMeter):
 
 
 def compare_with_baseline(args, records, mode):
-    """Keep this run's curve as OUT/metrics_fp8_<mode>.jsonl; once both modes exist in OUT, print the
-    final-loss gap and draw OUT/fp8_vs_baseline.png."""
+    """Keep this run's curve as OUT/metrics_fp8_<mode>.jsonl (mode: off, on = deepseek tiles, mxfp8, nvfp4);
+    once the baseline (off) and an fp8 run exist in OUT, print the final-loss gap and draw
+    OUT/fp8_vs_baseline.png (deepseek) or OUT/<format>_vs_baseline.png."""
     with open(os.path.join(args.out, f"metrics_fp8_{mode}.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-    other_mode = "off" if mode == "on" else "on"
-    other_path = os.path.join(args.out, f"metrics_fp8_{other_mode}.jsonl")
-    if not os.path.exists(other_path):
-        print0(f"run the same command with --fp8 {other_mode} --out {args.out} to compare")
-        return None
-    with open(other_path) as f:
-        other = [json.loads(line) for line in f]
-    on_recs, off_recs = (records, other) if mode == "on" else (other, records)
+    others = ["on", "mxfp8", "nvfp4"] if mode == "off" else ["off"]
+    gap = None
+    for other_mode in others:
+        other_path = os.path.join(args.out, f"metrics_fp8_{other_mode}.jsonl")
+        if os.path.exists(other_path):
+            with open(other_path) as f:
+                other = [json.loads(line) for line in f]
+            on_mode = mode if mode != "off" else other_mode
+            gap = _draw_gap(args, *((records, other) if mode != "off" else (other, records)), on_mode, other_path)
+    if gap is None and not any(os.path.exists(os.path.join(args.out, f"metrics_fp8_{m}.jsonl")) for m in others):
+        print0(f"run the same command with --fp8 {'on' if mode == 'off' else 'off'} --out {args.out} to compare")
+    return gap
+
+
+def _draw_gap(args, on_recs, off_recs, on_mode, other_path):
     on, off = ([(r["step"], r["loss"]) for r in recs if "loss" in r] for recs in (on_recs, off_recs))
     if not on or not off or on[-1][0] != off[-1][0]:
         print0(f"{other_path} is a run of a different length: not compared")
         return None
+    label = "fp8 tiles" if on_mode == "on" else on_mode
     gap = (on[-1][1] - off[-1][1]) / off[-1][1]
-    print0(f"final train loss: fp8 {on[-1][1]:.4f} | baseline {off[-1][1]:.4f} | gap {100 * gap:+.2f}%")
+    print0(f"final train loss: {label} {on[-1][1]:.4f} | baseline {off[-1][1]:.4f} | gap {100 * gap:+.2f}%")
     val_on, val_off = ([r["val_loss"] for r in recs if "val_loss" in r] for recs in (on_recs, off_recs))
     if val_on and val_off:
-        print0(f"final val loss:   fp8 {val_on[-1]:.4f} | baseline {val_off[-1]:.4f} | "
+        print0(f"final val loss:   {label} {val_on[-1]:.4f} | baseline {val_off[-1]:.4f} | "
                f"gap {100 * (val_on[-1] - val_off[-1]) / val_off[-1]:+.2f}%")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(6, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     ax.plot(*zip(*off), label="baseline (--fp8 off)")
-    ax.plot(*zip(*on), label="fp8 tiles (--fp8 on)")
+    ax.plot(*zip(*on), label=f"{label} (--fp8 on)")
     ax.set_ylabel("train loss (nats/token)")
     ax.legend()
     ax2.plot([s for s, _ in on], [100 * (a - b) / b for (_, a), (_, b) in zip(on, off)])
     ax2.axhline(0, color="gray", lw=0.5)
     ax2.set_xlabel("step")
-    ax2.set_ylabel("fp8 - baseline (%)")
+    ax2.set_ylabel(f"{label} - baseline (%)")
     for a in (ax, ax2):
         a.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "fp8_vs_baseline.png"), dpi=100)
+    fig.savefig(os.path.join(args.out, "fp8_vs_baseline.png" if on_mode == "on" else f"{on_mode}_vs_baseline.png"), dpi=100)
     plt.close(fig)
     return gap
-
-
-# ----------------------------------------------------------------------------------------------------
-# Training
-
-
-def train(argv=None):
-    p = gpt2.make_parser("GPT-2 with tile-scaled fp8 Linear layers (DeepSeek-V3 section 3.3), data parallel.")
-    p.add_argument("--fp8", default="on", choices=["on", "off"],
-                   help="on: the blocks' Linear layers in fp8 tiles; off: the identical bf16 (CUDA) / fp32 (CPU) baseline")
-    args = p.parse_args(argv)
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    # validate everything before the first collective: a bad flag fails every rank, none hangs
-    gpt2.check_args(args)
-    cfg = gpt2.model_config(args)
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if args.fp8 == "on" and use_cuda:
-        cap = torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", 0)))
-        if cap < (8, 9):
-            gpt2.fail(f"this GPU is sm_{cap[0]}{cap[1]}, fp8 tensor cores need sm_89 or newer", "--fp8",
-                      "use --fp8 off, or --device cpu to emulate")
-    train_loader, val_loader = gpt2.make_loaders(args, rank, world, cfg.vocab_size)
-
-    ctx = gpt2.setup(args)
-    model = gpt2.build_model(args)
-    if args.fp8 == "on":
-        convert_to_fp8(model)
-    model.to(ctx.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
-    fwd = torch.compile(model) if args.compile else model
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
-    metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), tokens_per_step)
-    profiler, comm = gpt2.Profiler(args, ctx), gpt2.CommMeter()
-    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {world} rank(s) | "
-           f"device {ctx.device} {ctx.dtype} | fp8 {args.fp8}"
-           + (" (CPU emulation)" if args.fp8 == "on" and ctx.device.type == "cpu" else ""))
-
-    def loss_fn(x, y):
-        with ctx.autocast():
-            return fwd(x, y)[1]
-
-    for step in range(args.steps):
-        profiler.step(step)
-        metrics.start_step()
-        lr = gpt2.set_lr(opt, step, args)
-        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
-        if world > 1:
-            all_reduce_grads(params, world, comm)
-            loss_sum = global_mean(loss_sum, world, comm)
-        if args.grad_clip > 0:  # the grads are now identical on every rank: the local norm is the global one
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_val = loss_sum.item()
-        gpt2.check_finite(loss_val, step)
-        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb())
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            model.eval()
-            metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
-            model.train()
-    metrics.plot()
-    return compare_with_baseline(args, metrics.records, args.fp8) if ctx.master else None
 
 
 if __name__ == "__main__":

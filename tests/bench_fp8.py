@@ -1,6 +1,8 @@
 """Benchmark fp8.py: speed on a GPU, accuracy everywhere.
 
     torchrun --nproc_per_node=1 tests/bench_fp8.py          (or: python tests/bench_fp8.py)
+    python tests/bench_fp8.py --formats [--data DIR --out DIR --steps 100]   (issue 19)
+    python tests/bench_fp8.py --per-rank-124m                                (GPT-2 124M at 8 ranks)
 
 On a GPU with fp8 tensor cores (sm_89+):
   1. GEMM TFLOP/s at 4096^3 and 8192^3: bf16 torch.matmul; PyTorch's built-in torch._scaled_mm with one
@@ -191,6 +193,207 @@ def accuracy_tables():
     t_fp32 = (time.perf_counter() - t0) / 3
     print(f"\nCPU emulation speed, {n}^3: quantize + fp8_matmul {t_emu * 1e3:.0f} ms vs fp32 matmul {t_fp32 * 1e3:.0f} ms "
           f"(the emulation proves numerics, not speed)")
+
+
+def formats_gemm_errors():
+    """Issue 19: GEMM error vs fp64 per format, random and with an outlier channel x[:, 7] *= 100 (error on
+    the other channels' share of x @ W^T: what the outlier's block costs its neighbours)."""
+    torch.manual_seed(0)
+    M, K, N = 1024, 768, 768
+    table = {}
+    for case, m in (("random", 1.0), ("outlier channel x100", 100.0)):
+        x, w = torch.randn(M, K), torch.randn(N, K) * 0.02
+        x[:, 7] *= m
+        rest = torch.arange(K) != 7
+        ref = x[:, rest].double() @ w[:, rest].double().t()
+        deq = {"bf16": (x.bfloat16().float(), w.bfloat16().float()),
+               "deepseek": (fp8.dequantize_1x128(*fp8.quantize_1x128(x, True), x.shape),
+                            fp8.dequantize_128x128(*fp8.quantize_128x128(w), w.shape))}
+        for fmt in ("mxfp8", "nvfp4"):
+            deq[fmt] = (fp8.dequantize_blocks(*fp8.quantize_blocks(x, fmt), fmt, x.shape),
+                        fp8.dequantize_blocks(*fp8.quantize_blocks(w, fmt, square=fmt == "nvfp4"), fmt, w.shape))
+        table[case] = {k: rel_err(a[:, rest] @ b[:, rest].t(), ref) for k, (a, b) in deq.items()}
+    # wgrad-shaped (contraction over 1024 tokens), heavy-tailed operands: NVFP4 with and without the Hadamard
+    heavy = [torch.randn(r, 1024) * torch.exp(1.5 * torch.randn(r, 1024)) for r in (N, K)]
+    ref = heavy[0].double() @ heavy[1].double().t()
+    q = fp8.hadamard_16("cpu")
+    table["wgrad, heavy tails"] = {
+        "bf16": rel_err(heavy[0].bfloat16().float() @ heavy[1].bfloat16().float().t(), ref),
+        "deepseek": rel_err(fp8.fp8_matmul(*fp8.quantize_1x128(heavy[0]), *fp8.quantize_1x128(heavy[1], True)), ref),
+        "mxfp8": rel_err(fp8.block_scaled_matmul(*heavy, "mxfp8"), ref),
+        "nvfp4": rel_err(fp8.block_scaled_matmul(*heavy, "nvfp4"), ref),
+        "nvfp4 + hadamard": rel_err(fp8.block_scaled_matmul(*(fp8.rotate_16(t, q) for t in heavy), "nvfp4"), ref)}
+    print(f"\n## GEMM error vs fp64 per format ({M}x{K} @ {K}x{N}; wgrad: 1024 tokens)")
+    names = list(table["wgrad, heavy tails"])
+    print("| case | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+    for case, errs in table.items():
+        print(f"| {case} | " + " | ".join(f"{100 * errs[k]:.2f}%" if k in errs else "-" for k in names) + " |")
+    return table
+
+
+FORMAT_RUNS = [("baseline", ["--fp8", "off"]), ("deepseek", ["--format", "deepseek"]),
+               ("mxfp8", ["--format", "mxfp8"]), ("nvfp4 (full recipe)", ["--format", "nvfp4"]),
+               ("nvfp4, no recipe", ["--format", "nvfp4", "--nvfp4-recipe", "none"]),
+               ("nvfp4 + hadamard", ["--format", "nvfp4", "--nvfp4-recipe", "hadamard"]),
+               ("nvfp4 + sr", ["--format", "nvfp4", "--nvfp4-recipe", "sr"]),
+               ("nvfp4 + last block hp", ["--format", "nvfp4", "--nvfp4-recipe", "last"])]
+
+
+def formats_loss_gaps(data, out, steps=60):
+    """A small model (4 blocks, 64 wide) on Shakespeare, `steps` steps, one process, each format and NVFP4
+    recipe variant: final loss and its gap to the high-precision run (mean of the last 10 steps). The
+    baseline is fp32 on CPU (bf16 autocast there is ~5x slower: a 100-step bf16 run took 374 s) and bf16
+    autocast on a GPU (--dtype auto)."""
+    import json
+    import shutil
+    import gpt2
+    base = ["--n-embd", "64", "--seq-len", "32", "--batch-size", "8", "--steps", str(steps),
+            "--warmup", "10", "--lr", "2e-3", "--eval-every", "0", "--data", data]
+    curves = {}
+    for name, extra in FORMAT_RUNS:
+        run_out = os.path.join(out, "formats", name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", ""))
+        shutil.rmtree(run_out, ignore_errors=True)
+        t0 = time.perf_counter()
+        fp8.train(base + extra + ["--out", run_out])
+        with open(os.path.join(run_out, "metrics.jsonl")) as f:
+            curves[name] = [json.loads(line)["loss"] for line in f if '"loss"' in line]
+        print(f"   {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    ref = sum(curves["baseline"][-10:]) / 10
+    print(f"\n## 4 blocks x 64 wide, {steps} steps, loss gap vs the baseline (mean of the last 10 steps)")
+    print("| run | loss | gap |\n|---|---|---|")
+    for name, losses in curves.items():
+        last = sum(losses[-10:]) / 10
+        print(f"| {name} | {last:.4f} | {100 * (last - ref) / ref:+.2f}% |")
+    return curves
+
+
+def draw_formats(table, curves, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(table["wgrad, heavy tails"])
+    for i, (case, errs) in enumerate(table.items()):
+        ax.bar([j + 0.27 * (i - 1) for j in range(len(names))], [100 * errs.get(k, 0) for k in names], 0.27, label=case)
+    ax.set_xticks(range(len(names)), names, rotation=20)
+    ax.set_ylabel("GEMM relative error vs fp64 (%)")
+    ax.legend()
+    ref = curves["baseline"]
+    for name, losses in curves.items():
+        if name != "baseline":
+            ax2.plot([100 * (a - b) / b for a, b in zip(losses, ref)], label=name, lw=1)
+    ax2.axhline(0, color="gray", lw=0.5)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("train loss gap vs --fp8 off (%)")
+    ax2.legend(fontsize=7)
+    for a in (ax, ax2):
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def activation_mb(model, batch_size, seq_len, probe_tokens=128):
+    """Bytes saved for backward under bf16 autocast, counted with saved_tensors_hooks (each storage once,
+    parameters excluded) in real CPU forwards of 1 x probe_tokens and 1 x probe_tokens/2 tokens; the
+    difference is the per-token part (CPU SDPA saves out + logsumexp, no T x T), scaled to batch_size x
+    seq_len. The rest (autocast's bf16 weight copies, or Fp8Linear's fp8 weights) is returned apart."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved(tokens):
+        seen = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        idx = torch.randint(0, model.config.vocab_size, (1, tokens))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, idx)[1]
+        del loss
+        return sum(seen.values())
+
+    full, half = saved(probe_tokens), saved(probe_tokens // 2)
+    per_token = (full - half) / (probe_tokens - probe_tokens // 2)
+    return per_token * batch_size * seq_len / 1e6, (full - per_token * probe_tokens) / 1e6
+
+
+def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
+    """GPT-2 124M at `world` data-parallel ranks, fp32 master weights + AdamW, per setup of fp8.py: one real
+    optimizer step on rank 0 of torch's fake process group (collectives are no-ops, the CommMeter counts
+    the all-reduce really issued) with a 1 x 32-token batch (bytes and state do not depend on the batch);
+    activations from activation_mb. fp8 changes no persistent byte: its payoff is the saved activations
+    (1-byte x instead of bf16 for the blocks' Linear inputs) and the tensor-core FLOPs."""
+    import gc
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import gpt2
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    args = gpt2.make_parser("").parse_args(["--model", "gpt2", "--device", "cpu"])
+    torch.manual_seed(0)
+    model = gpt2.GPT(gpt2.MODELS["gpt2"])  # one model: the fp8 setups swap its block Linears, same parameters
+    params = [p for p in model.parameters() if p.requires_grad]
+    P = sum(p.numel() for p in params)
+    opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, torch.device("cpu"))
+    plain = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name.startswith("h.")}
+    rows = []
+    for setup, fmt in (("fp8.py --fp8 off", None), ("fp8.py --fp8 on", "deepseek"),
+                       ("fp8.py --format mxfp8", "mxfp8"), ("fp8.py --format nvfp4", "nvfp4")):
+        for name, linear in plain.items():  # back to nn.Linear, then convert as fp8.py does
+            parent, attr = name.rsplit(".", 1)
+            setattr(model.get_submodule(parent), attr, linear)
+        if fmt:
+            fp8.convert_to_fp8(model, fmt, fp8.NVFP4_RECIPE if fmt == "nvfp4" else ())
+        comm = gpt2.CommMeter()
+        idx = torch.randint(0, model.config.vocab_size, (1, 32))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, idx)[1]
+        loss.backward()
+        fp8.all_reduce_grads(params, world, comm)
+        fp8.global_mean(loss.detach().float(), world, comm)
+        opt.step()
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in params) / 1e6
+        optim = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                    if torch.is_tensor(t) and t.dim() > 0) / 1e6
+        opt.zero_grad(set_to_none=True)
+        act, fixed = activation_mb(model, batch_size, seq_len)
+        rows.append({"setup": setup, "comm_MB": comm.take_mb(), "comm_MB_closed": 2 * (world - 1) / world * (4 * P + 4) / 1e6,
+                     "params_MB": sum(p.numel() * p.element_size() for p in params) / 1e6, "grads_MB": grads,
+                     "optim_MB": optim, "act_MB": act, "mem_MB_closed": 16 * P / 1e6,
+                     "how": f"fake PG rank 0 of {world}, one real CPU step of 32 tokens; act: bf16 CPU forwards of 128 "
+                            f"and 64 tokens, per-token part x{batch_size * seq_len} (+ {fixed:.0f} MB weight copies)"})
+        gc.collect()
+    return rows
+
+
+def print_per_rank_124m():
+    rows = per_rank_124m()
+    print(f"{'setup':22s} {'comm MB':>8s} {'closed':>8s} {'params':>8s} {'grads':>8s} {'AdamW':>8s} {'closed':>8s} {'act bf16':>9s}")
+    for r in rows:
+        print(f"{r['setup']:22s} {r['comm_MB']:8.1f} {r['comm_MB_closed']:8.1f} {r['params_MB']:8.1f} {r['grads_MB']:8.1f} "
+              f"{r['optim_MB']:8.1f} {r['mem_MB_closed']:8.1f} {r['act_MB']:9.1f}   {r['how'].split('(+ ')[1][:-1]}")
+    print(f"(MB per rank per optimizer step, B=16, T=1024; {rows[0]['how']})")
+
+
+if __name__ == "__main__" and "--per-rank-124m" in sys.argv:
+    print_per_rank_124m()
+    sys.exit(0)
+
+
+if __name__ == "__main__" and "--formats" in sys.argv:
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("--formats", action="store_true")
+    p.add_argument("--data", default="data/shakespeare")
+    p.add_argument("--out", default="out/bench_fp8")
+    p.add_argument("--steps", type=int, default=60)
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    draw_formats(formats_gemm_errors(), formats_loss_gaps(a.data, a.out, a.steps), os.path.join(a.out, "fp8_formats.png"))
+    sys.exit(0)
 
 
 if __name__ == "__main__":
