@@ -206,6 +206,9 @@ def make_args(data):
 @pytest.mark.parametrize("flags,error", [
     (["--momentum", "1.0"], ValueError), (["--ns-steps", "0"], ValueError), (["--muon-lr", "-1"], ValueError),
     (["--n-embd", "63"], ValueError), (["--seq-len", "4096"], ValueError), (["--data", "/nonexistent"], ValueError),
+    (["--muon-weight-decay", "-0.1"], ValueError), (["--momentum-warmup", "-1"], ValueError),
+    (["--ns-coefficients", "polar_express", "--ns-steps", "6"], ValueError), (["--qk-clip", "-1"], ValueError),
+    (["--qk-clip", "50", "--optimizer", "adamw"], ValueError), (["--log-max-logit", "--compile"], ValueError),
 ])
 def test_bad_flags_fail_before_any_collective(flags, error, random_data, tmp_path, monkeypatch):
     def no_setup(args):
