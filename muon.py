@@ -43,6 +43,21 @@ So Muon's extra compute is divided by N for the bytes of plain data parallelism.
 updated matrices travel in bf16: (N-1)/N x S + (N-1)/N x S/2 = 1.5(N-1)/N x S (the owner keeps the fp32
 master; the other ranks' bf16 copies are exactly what their autocast forward would round to).
 
+GPT-2 124M at 8 ranks, per rank (`python tests/bench_muon.py --per-rank-124m`: fake process group, meta
+device; measured = closed form). Muon matrices S = 84.9M params = 339.7 MB fp32; the owner slabs are
+balanced by Newton-Schulz FLOPs, not bytes, so 8 slabs = 358.6 MB (5.6% padding). AdamW: 39.5M params.
+    bytes per step  904.4 MB = AdamW all-reduce 2(7/8) 158.2 MB (276.8) + Muon 2(7/8) 358.6 MB (627.6)
+                    bf16 run 747.5 MB (the gather in bf16: 313.8 + 156.9); KellerJordan/Muon 1218.1 MB
+                    (ddp.py's all-reduce of all 497.9 MB: 871.3 MB; ours costs the padding, 33 MB, more)
+    memory          params 497.9 + grads 497.9 + optimizer 358.8 (AdamW 2 x 4 B x 39.5M = 316.3, momentum
+                    of the ~10.6M owned Muon params 42.5; ddp.py's AdamW on everything: 995.8) = 1354.6 MB,
+                    + 403.4 MB communication buffers (the 8-slab flat buffer 358.6 + own slab 44.8)
+    activations     8821 MB at B=16, T=1024, bf16 autocast (measured per sequence at B=1,2; as ddp.py)
+
+Uses from gpt2.py: make_parser/check_args/fail, model_config/build_model, make_loaders, setup, make_adamw,
+set_lr, accumulate_grads, evaluate, check_finite, CommMeter, Metrics, Profiler, reduce_scatter_single,
+all_gather_single, run_main.
+
 Beyond the references (each off by default, measured in `tests/bench_muon.py experiment`):
 --qk-clip TAU is Kimi K2's MuonClip (after a step whose max attention logit of a head exceeded TAU, scale
 that head's W_q and W_k rows by sqrt(TAU / max)), --ns-coefficients polar_express the Polar Express

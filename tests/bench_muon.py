@@ -320,6 +320,7 @@ def experiment(argv):
     p.add_argument("--data", required=True, help="prepared tinyshakespeare")
     p.add_argument("--out", default="out/muon_experiment", help="one directory per run, and the pictures")
     p.add_argument("--seeds", type=int, nargs="*", default=[1, 2, 3])
+    p.add_argument("--qk-clip-seeds", type=int, nargs="*", default=[1], help="seeds of the QK-clip run")
     a = p.parse_args(argv)
     for seed in a.seeds:
         for name, flags in VARIANTS.items():
@@ -328,13 +329,13 @@ def experiment(argv):
     base = records(os.path.join(a.out, f"default_s{a.seeds[0]}"))
     peak = max(r["max_logit"] for r in base if "max_logit" in r)
     tau = round(peak / 2, 2)
-    for seed in a.seeds:
+    for seed in a.qk_clip_seeds:
         run_variant(a.data, os.path.join(a.out, f"qk_clip_s{seed}"), ["--qk-clip", str(tau)], seed)
         print(f"done qk_clip seed {seed}", flush=True)
-    summarize(a.out, a.seeds, tau)
+    summarize(a.out, a.seeds, tau, a.qk_clip_seeds)
 
 
-def summarize(out, seeds, tau):
+def summarize(out, seeds, tau, qk_clip_seeds):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -344,14 +345,15 @@ def summarize(out, seeds, tau):
     print("| variant | " + " | ".join(str(s) for s in steps) + " | peak max logit |")
     print("|---|" + "---|" * (len(steps) + 1))
     for name in names:
-        runs = [records(os.path.join(out, f"{name}_s{s}")) for s in seeds]
+        runs = [records(os.path.join(out, f"{name}_s{s}")) for s in (qk_clip_seeds if name == "qk_clip" else seeds)]
         curves = torch.tensor([[r["val_loss"] for r in rs if "val_loss" in r] for rs in runs])  # (seeds, evals)
         peaks = [max(r["max_logit"] for r in rs if "max_logit" in r) for rs in runs]
-        cells = [f"{m:.4f} +- {sd:.4f}" for m, sd in zip(curves.mean(0).tolist(), curves.std(0).tolist())]
-        print(f"| {name} | " + " | ".join(cells) + f" | {statistics.mean(peaks):.2f} |")
+        sds = curves.std(0).tolist() if len(runs) > 1 else [float("nan")] * curves.size(1)
+        cells = [f"{m:.4f} +- {sd:.4f}" for m, sd in zip(curves.mean(0).tolist(), sds)]
+        print(f"| {name} ({len(runs)} seeds) | " + " | ".join(cells) + f" | {statistics.mean(peaks):.2f} |")
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for name, color in (("default", "C0"), ("qk_clip", "C3")):
-        for i, s in enumerate(seeds):
+        for i, s in enumerate(qk_clip_seeds):
             rs = records(os.path.join(out, f"{name}_s{s}"))
             ax.plot([r["step"] for r in rs if "max_logit" in r], [r["max_logit"] for r in rs if "max_logit" in r],
                     color=color, lw=1, alpha=0.8, label=(name if name == "default" else f"--qk-clip {tau}") if i == 0 else None)
