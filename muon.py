@@ -70,6 +70,8 @@ Launch (the learning rates are the ones tuned for the tiny model on tinyshakespe
     python muon.py --data D --optimizer adamw --lr 1e-3      # the AdamW-only baseline, same loop
     torchrun --nproc_per_node=8 muon.py --model gpt2 --data data/fineweb10B --batch-size 16 \\
         --grad-accum 4 --seq-len 1024 --lr 6e-4 --compile      # on GPUs: bf16 autocast, NS in bf16
+    python muon.py --data D --lr 3e-3 --qk-clip 5 --log-max-logit   # MuonClip; max_logit per step in metrics.jsonl
+    python tests/bench_muon.py experiment --data D          # the flags side by side, 3 seeds -> table + max_logit.png
 
 References: K. Jordan et al., "Muon: an optimizer for hidden layers in neural networks" (2024 blog post,
 kellerjordan.github.io/posts/muon) and github.com/KellerJordan/Muon; J. Liu et al., "Muon is Scalable
@@ -378,71 +380,12 @@ def split_params(model, optimizer):
 # Training loop (mirrors gpt2.train step for step)
 
 
-def make_parser():
-    p = gpt2.make_parser("Train GPT-2 with Muon on the block matrices and AdamW on the rest, data parallel. "
-                         "--lr and --weight-decay are AdamW's; Muon has --muon-lr and --muon-weight-decay.")
-    a = p.add_argument
-    a("--optimizer", default="muon", choices=["muon", "adamw"], help="muon = Muon + AdamW; adamw = AdamW only (the baseline)")
-    a("--muon-lr", type=float, help="Muon's peak lr, on the same warmup/cosine schedule as --lr "
-      "(default: 0.02 with --muon-scale original, --lr with match_rms_adamw)")
-    a("--muon-weight-decay", type=float, default=0.0, help="Muon's decoupled weight decay, p *= 1 - muon_lr * wd "
-      "(0 as in reference Muon; Moonlight uses 0.1 with --muon-scale match_rms_adamw)")
-    a("--momentum", type=float, default=0.95, help="Muon's momentum")
-    a("--momentum-warmup", type=int, default=0, help="raise Muon's momentum linearly from 0.85 to --momentum over "
-      "this many steps (the speedrun: 300); 0 = constant")
-    a("--nesterov", action=argparse.BooleanOptionalAction, default=True, help="Nesterov momentum for Muon")
-    a("--ns-steps", type=int, default=5, help="Newton-Schulz iterations")
-    a("--ns-coefficients", default="quintic", choices=["quintic", "polar_express"],
-      help="one quintic (3.4445, -4.7750, 2.0315) every step (Jordan), or Polar Express's per-step quintics (at most 5 steps)")
-    a("--muon-scale", default="original", choices=["original", "match_rms_adamw"],
-      help="update scale: sqrt(max(1,rows/cols)) (Jordan) or 0.2*sqrt(max(rows,cols)) (Moonlight)")
-    a("--qkv", default="split", choices=["split", "packed"],
-      help="orthogonalise c_attn's q, k, v blocks separately (split: they are three maps, as in modded-nanogpt; "
-      "measured 5.69 vs 5.74 val loss after 300 tiny steps, for 7%% more Newton-Schulz FLOPs) or as one 3E x E matrix")
-    a("--qk-clip", type=float, default=0.0, metavar="TAU", help="MuonClip (Kimi K2): after each step scale the q and k "
-      "rows of every head whose max attention logit exceeded TAU (Kimi K2: 100); 0 = off")
-    a("--log-max-logit", action="store_true", help="log the step's largest attention logit (max_logit in metrics.jsonl)")
-    return p
-
-
 def momentum_at(step, args):
     """Muon's momentum at a step: the speedrun's warmup 0.85 -> 0.95 over its first 300 steps, or constant."""
     if args.momentum_warmup == 0:
         return args.momentum
     frac = min(step / args.momentum_warmup, 1.0)
     return (1 - frac) * 0.85 + frac * args.momentum
-
-
-def validate(args, world):
-    """Every check that can fail runs here, on every rank, before the process group exists."""
-    cfg = gpt2.model_config(args)
-    if args.muon_lr is None:
-        args.muon_lr = 0.02 if args.muon_scale == "original" else args.lr
-    gpt2.check_args(args)
-    if not args.muon_lr > 0:
-        gpt2.fail(f"--muon-lr is {args.muon_lr}", "--muon-lr", "give a positive learning rate (0.02 is Muon's)")
-    if not 0.0 <= args.muon_weight_decay < math.inf:
-        gpt2.fail(f"--muon-weight-decay is {args.muon_weight_decay}", "--muon-weight-decay", "give 0 (off) or a positive value")
-    if not 0.0 <= args.momentum < 1.0:
-        gpt2.fail(f"--momentum is {args.momentum}", "--momentum", "give a value in [0, 1), e.g. 0.95")
-    if args.momentum_warmup < 0:
-        gpt2.fail(f"--momentum-warmup is {args.momentum_warmup}", "--momentum-warmup", "give 0 (off) or a number of steps")
-    if args.ns_steps < 1:
-        gpt2.fail(f"--ns-steps is {args.ns_steps}", "--ns-steps", "give at least 1 Newton-Schulz step (5 is usual)")
-    if args.ns_coefficients == "polar_express" and args.ns_steps > len(POLAR_EXPRESS):
-        gpt2.fail(f"--ns-steps {args.ns_steps} with Polar Express", "--ns-steps",
-                  f"Polar Express has {len(POLAR_EXPRESS)} published steps: give at most that many")
-    if not 0.0 <= args.qk_clip < math.inf:
-        gpt2.fail(f"--qk-clip is {args.qk_clip}", "--qk-clip", "give 0 (off) or a logit bound such as 100")
-    if args.qk_clip and args.optimizer != "muon":
-        gpt2.fail("--qk-clip with --optimizer adamw", "--qk-clip", "QK-clip is MuonClip: use it with --optimizer muon")
-    if (args.qk_clip or args.log_max_logit) and args.compile:
-        gpt2.fail("--qk-clip/--log-max-logit with --compile", "--qk-clip/--log-max-logit",
-                  "the max-logit probe is an eager forward hook on c_attn: drop --compile for these runs")
-    n_matrices = 4 * cfg.n_layer if args.optimizer == "muon" else 0
-    if world > n_matrices and n_matrices:
-        print0(f"note: {world} ranks but {n_matrices} Muon matrices: {world - n_matrices} ranks own none")
-    return cfg
 
 
 def main(argv=None):
@@ -528,6 +471,70 @@ def main(argv=None):
     if dist.is_initialized():
         dist.destroy_process_group()
     return metrics.records
+
+
+# ====================================================================================================
+# Appendix: argument checks and the command line
+# ====================================================================================================
+
+
+def make_parser():
+    p = gpt2.make_parser("Train GPT-2 with Muon on the block matrices and AdamW on the rest, data parallel. "
+                         "--lr and --weight-decay are AdamW's; Muon has --muon-lr and --muon-weight-decay.")
+    a = p.add_argument
+    a("--optimizer", default="muon", choices=["muon", "adamw"], help="muon = Muon + AdamW; adamw = AdamW only (the baseline)")
+    a("--muon-lr", type=float, help="Muon's peak lr, on the same warmup/cosine schedule as --lr "
+      "(default: 0.02 with --muon-scale original, --lr with match_rms_adamw)")
+    a("--muon-weight-decay", type=float, default=0.0, help="Muon's decoupled weight decay, p *= 1 - muon_lr * wd "
+      "(0 as in reference Muon; Moonlight uses 0.1 with --muon-scale match_rms_adamw)")
+    a("--momentum", type=float, default=0.95, help="Muon's momentum")
+    a("--momentum-warmup", type=int, default=0, help="raise Muon's momentum linearly from 0.85 to --momentum over "
+      "this many steps (the speedrun: 300); 0 = constant")
+    a("--nesterov", action=argparse.BooleanOptionalAction, default=True, help="Nesterov momentum for Muon")
+    a("--ns-steps", type=int, default=5, help="Newton-Schulz iterations")
+    a("--ns-coefficients", default="quintic", choices=["quintic", "polar_express"],
+      help="one quintic (3.4445, -4.7750, 2.0315) every step (Jordan), or Polar Express's per-step quintics (at most 5 steps)")
+    a("--muon-scale", default="original", choices=["original", "match_rms_adamw"],
+      help="update scale: sqrt(max(1,rows/cols)) (Jordan) or 0.2*sqrt(max(rows,cols)) (Moonlight)")
+    a("--qkv", default="split", choices=["split", "packed"],
+      help="orthogonalise c_attn's q, k, v blocks separately (split: they are three maps, as in modded-nanogpt; "
+      "measured 5.69 vs 5.74 val loss after 300 tiny steps, for 7%% more Newton-Schulz FLOPs) or as one 3E x E matrix")
+    a("--qk-clip", type=float, default=0.0, metavar="TAU", help="MuonClip (Kimi K2): after each step scale the q and k "
+      "rows of every head whose max attention logit exceeded TAU (Kimi K2: 100); 0 = off")
+    a("--log-max-logit", action="store_true", help="log the step's largest attention logit (max_logit in metrics.jsonl)")
+    return p
+
+
+def validate(args, world):
+    """Every check that can fail runs here, on every rank, before the process group exists."""
+    cfg = gpt2.model_config(args)
+    if args.muon_lr is None:
+        args.muon_lr = 0.02 if args.muon_scale == "original" else args.lr
+    gpt2.check_args(args)
+    if not args.muon_lr > 0:
+        gpt2.fail(f"--muon-lr is {args.muon_lr}", "--muon-lr", "give a positive learning rate (0.02 is Muon's)")
+    if not 0.0 <= args.muon_weight_decay < math.inf:
+        gpt2.fail(f"--muon-weight-decay is {args.muon_weight_decay}", "--muon-weight-decay", "give 0 (off) or a positive value")
+    if not 0.0 <= args.momentum < 1.0:
+        gpt2.fail(f"--momentum is {args.momentum}", "--momentum", "give a value in [0, 1), e.g. 0.95")
+    if args.momentum_warmup < 0:
+        gpt2.fail(f"--momentum-warmup is {args.momentum_warmup}", "--momentum-warmup", "give 0 (off) or a number of steps")
+    if args.ns_steps < 1:
+        gpt2.fail(f"--ns-steps is {args.ns_steps}", "--ns-steps", "give at least 1 Newton-Schulz step (5 is usual)")
+    if args.ns_coefficients == "polar_express" and args.ns_steps > len(POLAR_EXPRESS):
+        gpt2.fail(f"--ns-steps {args.ns_steps} with Polar Express", "--ns-steps",
+                  f"Polar Express has {len(POLAR_EXPRESS)} published steps: give at most that many")
+    if not 0.0 <= args.qk_clip < math.inf:
+        gpt2.fail(f"--qk-clip is {args.qk_clip}", "--qk-clip", "give 0 (off) or a logit bound such as 100")
+    if args.qk_clip and args.optimizer != "muon":
+        gpt2.fail("--qk-clip with --optimizer adamw", "--qk-clip", "QK-clip is MuonClip: use it with --optimizer muon")
+    if (args.qk_clip or args.log_max_logit) and args.compile:
+        gpt2.fail("--qk-clip/--log-max-logit with --compile", "--qk-clip/--log-max-logit",
+                  "the max-logit probe is an eager forward hook on c_attn: drop --compile for these runs")
+    n_matrices = 4 * cfg.n_layer if args.optimizer == "muon" else 0
+    if world > n_matrices and n_matrices:
+        print0(f"note: {world} ranks but {n_matrices} Muon matrices: {world - n_matrices} ranks own none")
+    return cfg
 
 
 if __name__ == "__main__":
