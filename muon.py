@@ -31,8 +31,8 @@ repository owns whole matrices too, but behind DDP's all-reduce, so each rank fi
 gradient it then ignores. Moonlight (Liu et al. 2025, section 2.3) is different: it starts from ZeRO-1's
 row shards, all-gathers the momentum so every rank of the data-parallel group orthogonalises every full
 matrix (redundant NS work), keeps its own rows, and all-gathers the parameters. Bytes each rank sends per
-step for the Muon matrices, S their fp32 bytes, N ranks (ring model; measured = closed form in
-`python tests/bench_muon.py --per-rank-124m` and in test_distributed_muon_equals_one_rank):
+step for the Muon matrices, S their fp32 bytes, N ranks (ring model; each measured = its closed form by
+tests/bench_muon.py, torchrun table and --per-rank-124m; ours also in test_distributed_muon_equals_one_rank):
 
     this file (reduce-scatter + all-gather)            2(N-1)/N x S   (+ the padding of unequal shares)
     KellerJordan/Muon under DDP (all-reduce + gather)   3(N-1)/N x S
@@ -285,6 +285,8 @@ class Muon:
 # QK-clip (MuonClip, Kimi K2 technical report, section 2.1): Muon lets attention logits grow until a head's
 # softmax saturates and the loss spikes. After each step, for every head whose largest logit of the step
 # exceeded tau, scale its query and key rows by sqrt(tau / max), so that logit comes out at tau next time.
+# Kimi K2's attention has no q, k biases; GPT-2's has, and they are scaled with their rows, so every logit
+# of the head scales by exactly tau / max (tested). The owner scales its fp32 matrix before the all-gather.
 
 
 class MaxLogitProbe:
