@@ -76,6 +76,18 @@ stay on the fast links of a node, and only 4P/S gradient bytes cross between nod
     Bytes with HSDP (R replicas x S shards), per micro-step: gathers and reduce-scatter as above with
     S for N, plus all_reduce(reduced slice, fp32) across R: 2 (R-1)/R 4P/S.
 
+    GPT-2 124M at 8 ranks, per rank, bf16 gathers, B=16, T=1024 (python tests/bench_fsdp2.py
+    --per-rank-124m: one real step on rank 0 of torch's fake process group; P = 124.48M, U_root = 39.42M):
+      setup            bytes/step (measured = closed form)        16P/S persistent   peak w/o act  activations
+      ZeRO-3           802 MB = 7/8 (2 (2 (P - U_root) + U_root) + 4P)   249 MB          593 MB      8190 MB
+      SHARD_GRAD_OP    654 MB = 7/8 (2P + 4P)                           249 MB          619 MB      8190 MB
+      HSDP 2 x 4       812 MB = 3/4 (2 (2 (P - U_root) + U_root) + 4P)   498 MB          842 MB      8190 MB
+                              + 1/2 x 4P/4 x 2
+      ddp.py           871 MB = 2 x 7/8 x 4P                            1992 MB (16P, nothing sharded)
+    Activations (bytes autograd saves: 512 MB per sequence, 206 MB of it = T x 50304 x 4 B, the fp32 log-softmax of the
+    head) dwarf the sharded state at this batch: --activation-checkpointing or a smaller --batch-size
+    with --grad-accum is what makes room, and FSDP is what lets a model whose 16P does not fit train.
+
 Launch:
     torchrun --nproc_per_node=2 fsdp2.py --batch-size 4          # tiny, CPU: = gpt2.py train --batch-size 8
     torchrun --nproc_per_node=2 fsdp2.py --batch-size 4 --reshard-after-forward 0      # SHARD_GRAD_OP
@@ -84,6 +96,10 @@ Launch:
     torchrun --nproc_per_node=8 fsdp2.py --model gpt2 --data data/fineweb10B --batch-size 16 --grad-accum 4 \\
         --seq-len 1024 --steps 19073 --warmup 700 --lr 6e-4 --compile             # the 124M speedrun setting
     torchrun --nproc_per_node=2 tests/bench_fsdp2.py          # ours against fully_shard, same run
+
+Uses from gpt2.py: build_model and GPT.embed / forward_blocks / head_loss, make_loaders, make_adamw,
+set_lr, accumulate_grads, evaluate, setup, all_gather_single / reduce_scatter_single, CommMeter, Metrics,
+Profiler, make_parser / check_args / fail / run_main.
 
 References: Rajbhandari et al. 2020, ZeRO (section 5: the P_os, P_g, P_p stages; section 7: their
 communication volume); Zhao et al. 2023, PyTorch FSDP (sections 3-4: units, sharding, prefetch);

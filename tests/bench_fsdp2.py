@@ -7,14 +7,19 @@ memory per rank. With bf16 (CUDA's default) and --mp-policy bf16-gather both gat
     torchrun --nproc_per_node=2 tests/bench_fsdp2.py                                    # CPU, gloo, tiny
     torchrun --nproc_per_node=2 tests/bench_fsdp2.py --reshard-after-forward 0          # SHARD_GRAD_OP (ZeRO-2-like)
     torchrun --nproc_per_node=8 tests/bench_fsdp2.py --model gpt2 --seq-len 1024 --batch-size 16 --compile
+    torchrun --nproc_per_node=4 tests/bench_fsdp2.py --replicate 2                      # HSDP 2 x 2
+    python tests/bench_fsdp2.py --per-rank-124m        # GPT-2 124M at 8 ranks (fake process group): the table
 
 Peak memory = the most memory a rank held during the timed steps above what it held just before
 them (the parameter slices and AdamW's state): gathered weights, gradients, reduce buffers,
 activations, AdamW's temporaries; printed beside fsdp2.memory_formula's peak (less those slices and
 AdamW state) and the activations saved for backward. CUDA: the caching allocator's
 max_memory_allocated; CPU: the profiler's record of every CPU allocation (profile_memory=True), in a
-separate pass so the profiler does not slow the timed steps. On CPU that record varies from run to
-run by up to one root unit (when a gloo reduce-scatter completes changes which buffers overlap).
+separate pass so the profiler does not slow the timed steps. On CPU one pass's peak varies from run
+to run by up to ~65 MB at the default shape (measured on this fsdp2.py: 352 to 418 MB; on the
+previous commit's: 352 to 392 MB) although the program allocates the same tensors in the same order:
+gloo's collectives run and allocate on their own threads, so what overlaps varies. The bench reports
+the least of --memory-passes passes, for both implementations.
 """
 import gc
 import json
@@ -187,13 +192,16 @@ def print_per_rank_124m():
 
 def main():
     p = fsdp2.make_parser()
+    p.add_argument("--memory-passes", type=int, default=3, help="peak memory = the least of this many measured passes")
     p.add_argument("--rounds", type=int, default=3, help="timing rounds; each times --steps steps of each, alternating")
     p.set_defaults(steps=5, seq_len=128, batch_size=4)
     args = p.parse_args()
     ctx = gpt2.setup(args)
     impls = {"fsdp2.py": build_ours, "fully_shard": build_fully_shard}
     data = batches(args, ctx, 3 + args.rounds * args.steps)
-    peaks = {name: peak_memory_mb(build, args, ctx, data) for name, build in impls.items()}
+    # the least of several passes: what the program itself holds; the rest is gloo's timing (docstring)
+    peaks = {name: min(peak_memory_mb(build, args, ctx, data) for _ in range(args.memory_passes))
+             for name, build in impls.items()}
     ours, _ = build_ours(args, ctx)
     formula = fsdp2.memory_formula(ours.fsdp)
     act_mb = fsdp2.activation_mb(lambda: ours.fsdp(*data[0]), ours.fsdp)
