@@ -35,9 +35,9 @@ stay on the fast links of a node, and only 4P/S gradient bytes cross between nod
       DDP            all_reduce(grads fp32)                       2 (N-1)/N 4P
       ZeRO-3         gather fwd + gather bwd + reduce_scatter     3 (N-1)/N 4P  = 1.5x DDP   (fp32)
       SHARD_GRAD_OP  gather fwd + reduce_scatter                  2 (N-1)/N 4P  = 1.0x DDP
-      The root unit is gathered once per micro-step in both modes, as FSDP2 does (the embedding needs
-      it first, the head last, and the embedding's backward needs it again at the very end), so for GPT-2 124M, whose
-      root is 32% of P, ZeRO-3 sends 1.34x DDP in fp32, and 0.92x with bf16 gathers on CUDA.
+      The root unit is gathered once per micro-step in both modes, as FSDP2 does (the embedding
+      needs it first, the head last, and the embedding's backward again at the very end), so for
+      GPT-2 124M, whose root is 32% of P, ZeRO-3 sends 1.34x DDP in fp32, 0.92x with bf16 gathers.
 
     Names. --reshard-after-forward 1 is ZeRO-3 (the paper's P_os+g+p, FSDP's FULL_SHARD). 0 keeps
     each unit's full weights from its forward to its backward and still gathers them every micro-step:
@@ -84,9 +84,9 @@ stay on the fast links of a node, and only 4P/S gradient bytes cross between nod
       HSDP 2 x 4       812 MB = 3/4 (2 (2 (P - U_root) + U_root) + 4P)   498 MB          842 MB      8190 MB
                               + 1/2 x 4P/4 x 2
       ddp.py           871 MB = 2 x 7/8 x 4P                            1992 MB (16P, nothing sharded)
-    Activations (bytes autograd saves: 512 MB per sequence, 206 MB of it = T x 50304 x 4 B, the fp32 log-softmax of the
-    head) dwarf the sharded state at this batch: --activation-checkpointing or a smaller --batch-size
-    with --grad-accum is what makes room, and FSDP is what lets a model whose 16P does not fit train.
+    Activations (bytes autograd saves: 512 MB per sequence, 206 MB of it = T x 50304 x 4 B, the fp32
+    log-softmax of the head) dwarf the sharded state at this batch: --activation-checkpointing or a
+    smaller --batch-size with --grad-accum makes room for them; FSDP makes room for the 16P.
 
 Launch:
     torchrun --nproc_per_node=2 fsdp2.py --batch-size 4          # tiny, CPU: = gpt2.py train --batch-size 8
@@ -102,7 +102,8 @@ set_lr, accumulate_grads, evaluate, setup, all_gather_single / reduce_scatter_si
 Profiler, make_parser / check_args / fail / run_main.
 
 References: Rajbhandari et al. 2020, ZeRO (section 5: the P_os, P_g, P_p stages; section 7: their
-communication volume); Zhao et al. 2023, PyTorch FSDP (sections 3-4: units, sharding, prefetch);
+communication volume); Zhao et al. 2023, PyTorch FSDP (sections 3-4: units, sharding, prefetch,
+hybrid sharding);
 PyTorch's FSDP2 (per-parameter dim-0 sharding, torch/distributed/fsdp/_fully_shard); torchtitan.
 """
 import math
@@ -241,8 +242,9 @@ class ShardedUnit:
         return work, out, buf
 
     def accumulate_grads(self, out):
-        """HSDP: sum the reduced slice across the R replicas too; then average over all N data-parallel
-        ranks (like DDP) and add it into each shard's .grad."""
+        """HSDP: sum the reduced slice across the R replicas too (here a blocking all-reduce when the
+        reduce-scatter is waited for; fully_shard overlaps it with the next unit's backward); then
+        average over all N data-parallel ranks (like DDP) and add it into each shard's .grad."""
         if self.mesh.replicas > 1:
             dist.all_reduce(out, group=self.mesh.replicate_group)
             self.comm.all_reduce(out.nbytes, self.mesh.replicas)

@@ -283,7 +283,8 @@ def toy_vs_one_process_and_fully_shard(rank, world):
         return None
     one = one.state_dict()
     return {"ours": param_rel_diff(ours, one), "fully_shard": param_rel_diff(theirs, one),
-            "trained": ((one["emb.weight"] - init["emb.weight"]).norm() / init["emb.weight"].norm()).item(), "ours_unused_kept": torch.equal(ours["unused.weight"], init["unused.weight"]),
+            "trained": ((one["emb.weight"] - init["emb.weight"]).norm() / init["emb.weight"].norm()).item(),
+            "ours_unused_kept": torch.equal(ours["unused.weight"], init["unused.weight"]),
             "one_unused_kept": torch.equal(one["unused.weight"], init["unused.weight"])}
 
 
