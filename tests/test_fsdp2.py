@@ -90,6 +90,7 @@ def ours_vs_fully_shard(rank, world, argv, reshard, other_mode_out=None):
         found["gathered_dtype_autocast"] = str(fsdp_ac.root.full[0].dtype)
         if other_mode_out:
             fsdp2.train(argv + ["--compile", "--steps", "3", "--out", out + "_compiled"])
+        found["toy"] = toy_vs_one_process_and_fully_shard(rank, world)  # any module, in this process group
     if world == 4:  # HSDP: 2 replicas x 2 shards, against fully_shard on a 2 x 2 DeviceMesh
         hsdp, _ = fsdp2.train(argv + ["--replicate", "2", "--out", out + "_hsdp"])
         found["n_total"] = sum(math.prod(s) for u in hsdp.all_units for s in u.shapes)
@@ -133,9 +134,9 @@ def inspect_sharding(fsdp, opt):
 
 
 def test_both_modes_match_single_process_and_fully_shard_2_ranks(baseline, shakespeare, tmp_path):
-    """2 ranks x 4 sequences = gpt2.py train with 8, ZeRO-3 and ZeRO-2; ZeRO-2 also against
+    """2 ranks x 4 sequences = gpt2.py train with 8, ZeRO-3 and SHARD_GRAD_OP; SHARD_GRAD_OP also against
     fully_shard(reshard_after_forward=False), in fp32 and in bf16 mixed precision; then 1/N slices,
-    the freeing, the traffic formula."""
+    the freeing, the traffic formulas, both --mp-policy choices vs gpt2.py bf16, --compile, a toy model."""
     out, out3 = str(tmp_path / "zero2"), str(tmp_path / "zero3")
     argv = [*TINY, "--data", shakespeare, "--batch-size", "4", "--out", out]
     diff, ours, theirs, r = run_distributed(ours_vs_fully_shard, 2, argv, 0, out3, timeout=300)[0]
@@ -182,6 +183,11 @@ def test_both_modes_match_single_process_and_fully_shard_2_ranks(baseline, shake
     assert d_autocast <= 2e-5 and d_gather <= 3e-4 and d_gather > 2 * d_autocast, (d_autocast, d_gather)
     theory = (0.5 * (4 * (2 * (P - n_root) + n_root) + 4 * P) + 2 * 2 * 0.5 * 4) / 1e6  # autocast: fp32 gathers, ZeRO-3
     assert all(abs(rec["comm_mb"] - theory) < 1e-9 for rec in read_metrics(out + "_autocast") if "loss" in rec)
+    # FullyShardedModel on a toy model (not a GPT): = one-process training and = fully_shard, tied weight
+    # and unused parameter included (the unused one keeps its initial value, as in one process)
+    toy = r["toy"]
+    assert toy["ours"] <= 1e-5 and toy["fully_shard"] <= 1e-5 and toy["trained"] > 1e-2, toy
+    assert toy["ours_unused_kept"] and toy["one_unused_kept"]
     # --compile (each Block's forward and the head compiled, hooks eager) = eager at steps 0-2
     compiled = train_losses(out + "_compiled")
     assert len(compiled) == 3 and max_rel_diff(compiled, train_losses(out3)[:3]) <= 1e-6, compiled
@@ -288,10 +294,3 @@ def toy_vs_one_process_and_fully_shard(rank, world):
             "one_unused_kept": torch.equal(one["unused.weight"], init["unused.weight"])}
 
 
-def test_any_module_given_its_units_2_ranks():
-    """FullyShardedModel on a toy model: = one-process training and = fully_shard, tied weight and
-    unused parameter included (the unused one keeps its initial value, as in one process)."""
-    r = run_distributed(toy_vs_one_process_and_fully_shard, 2, timeout=120)[0]
-    print(r)
-    assert r["ours"] <= 1e-5 and r["fully_shard"] <= 1e-5 and r["trained"] > 1e-2, r
-    assert r["ours_unused_kept"] and r["one_unused_kept"]
