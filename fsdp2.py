@@ -449,6 +449,8 @@ def train(argv=None):
     model = gpt2.build_model(args).to(ctx.device)  # the full model on every rank, for a moment (docstring)
     cfg, n_params, n_total = model.config, model.num_params(), model.num_params(non_embedding=False)
     fsdp = shard_gpt(model, mesh, args, comm, ctx.dtype)  # from here on, each rank holds 1/S of the weights
+    if ctx.device.type == "cuda":  # report()'s measured peak is training's, not the full model's at start-up
+        torch.cuda.reset_peak_memory_stats(ctx.device)
     # decay 2-D weights only, as gpt2.optimizer_groups (a slice keeps its parameter's number of dims)
     shards = fsdp.shards()
     opt = gpt2.make_adamw([{"params": [s for s in shards if s.dim() >= 2], "weight_decay": args.weight_decay},
