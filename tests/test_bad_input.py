@@ -51,6 +51,7 @@ CASES = [
     ("tensor_parallel", ["--tp", "2", "--n-head", "3", "--n-embd", "96"], W2, "--tp"),
     ("fsdp2", ["--eval-every", "1", "--eval-steps", "0"], W2, "(--eval-steps)"),
     ("fsdp2", [], {}, "torchrun"),
+    ("fsdp2", ["--replicate", "3"], W2, "(--replicate)"),
     ("pipeline", ["--n-layer", "3", "--micro-batches", "2"], W2, "--n-layer"),
     ("moe_ep", ["--ep", "2", "--experts", "3"], W2, "--experts"),
     ("moe_ep", ["--top-k", "9"], {}, "--top-k"),
