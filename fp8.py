@@ -276,6 +276,11 @@ class Fp8LinearFn(torch.autograd.Function):
         return dx.reshape(x_shape).to(x_dtype), dw.to(w_dtype), None
 
 
+@torch.compiler.disable  # CPU under --compile: one opaque call per layer instead of the quantizers as ~4 graphs
+def _fp8_linear_eager(x, weight, pow2):
+    return Fp8LinearFn.apply(x, weight, pow2)
+
+
 class Fp8Linear(nn.Linear):
     """A drop-in nn.Linear (same parameters, same state_dict) whose matmuls run in fp8 tiles."""
     pow2 = True  # power-of-2 scales for x (forward and the wgrad re-cut); False: plain amax/448 scales
@@ -283,7 +288,7 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, x):
         if self.fmt == "deepseek":
-            y = Fp8LinearFn.apply(x, self.weight, self.pow2)
+            y = (Fp8LinearFn.apply if x.is_cuda else _fp8_linear_eager)(x, self.weight, self.pow2)
         else:
             y = BlockScaledLinearFn.apply(x, self.weight, self.fmt, self.recipe)
         # the bias outside the Function, in the output's dtype: autograd sums its gradient in high precision
