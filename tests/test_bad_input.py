@@ -20,6 +20,7 @@ from contextlib import redirect_stderr, redirect_stdout
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script too
 import gpt2  # noqa: E402
 from harness import ROOT, free_port  # noqa: E402
 
