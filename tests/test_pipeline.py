@@ -383,6 +383,8 @@ def _four_rank_worker(rank, world, data, out):
             "1f1b_dp2": ["--schedule", "1f1b", "--micro-batches", "2", "--batch-size", "4", "--dp", "2"],
             "zbh1": ["--schedule", "zbh1", "--micro-batches", "4", "--batch-size", "8"],
             "interleaved": ["--schedule", "interleaved", "--micro-batches", "4", "--batch-size", "8", "--n-layer", "8"]}
+    for name in ("gpipe", "zbh1", "interleaved", "dualpipe", "dualpipev"):  # P=2 x DP=2: every schedule under --dp
+        runs[name + "_dp2"] = ["--schedule", name, "--micro-batches", "4", "--batch-size", "4", "--dp", "2"]
     for key, argv in runs.items():
         pl.train(argv + ["--data", data, "--out", os.path.join(out, key)] + SMALL + ["--eval-every", "0"])
     return True
@@ -392,7 +394,8 @@ def test_four_ranks(random_data, tmp_path, baselines):
     run_distributed(_four_rank_worker, 4, random_data, str(tmp_path), timeout=300)
     # 1f1b_dp2: two replicas of 4 rows each are the baseline's batch of 8
     for key, base in {"dualpipe": "L4B8", "dualpipev": "L8B8", "1f1b_dp2": "L4B8", "zbh1": "L4B8",
-                      "interleaved": "L8B8"}.items():
+                      "interleaved": "L8B8", **{f"{name}_dp2": "L4B8" for name in
+                                                ("gpipe", "zbh1", "interleaved", "dualpipe", "dualpipev")}}.items():
         train = [r["loss"] for r in read_metrics(os.path.join(str(tmp_path), key))]
         assert len(train) == 8 and max_rel_diff(train, baselines[base + "_train"]) <= 1e-4, key
     held = json.load(open(os.path.join(str(tmp_path), "dualpipe", "schedule.json")))["peak_held"]
