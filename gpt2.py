@@ -1127,9 +1127,11 @@ def hellaswag(argv):
     return acc / n, acc_norm / n
 
 
-def sample(argv):
-    p = argparse.ArgumentParser(prog="gpt2.py sample", description="Sample text from a model.")
-    p.add_argument("--init-from", default="out/model.pt", help="gpt2..., a HF-layout directory, or OUT/model.pt")
+def sample(argv, load_model=None, prog="gpt2.py sample", init_help="gpt2..., a HF-layout directory, or OUT/model.pt"):
+    """Sample text. load_model(init_from, device) builds the model (a file with another architecture,
+    e.g. moe_ep.py's MoE GPT-2, passes its own loader); default: load_for_inference."""
+    p = argparse.ArgumentParser(prog=prog, description="Sample text from a model.")
+    p.add_argument("--init-from", default="out/model.pt", help=init_help)
     p.add_argument("--prompt", default="\n", help="text to continue")
     p.add_argument("--num-samples", type=int, default=3, help="how many continuations")
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens per continuation")
@@ -1139,7 +1141,7 @@ def sample(argv):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     a = p.parse_args(argv)
     torch.manual_seed(a.seed)
-    model, enc = load_for_inference(a.init_from, torch.device(a.device)), get_tokenizer()
+    model, enc = (load_model or load_for_inference)(a.init_from, torch.device(a.device)), get_tokenizer()
     idx = torch.tensor([enc.encode(a.prompt, allowed_special={"<|endoftext|>"})] * a.num_samples, device=a.device)
     for row in generate(model, idx, a.max_new_tokens, a.temperature, a.top_k).tolist():
         print(enc.decode(row), "\n" + "-" * 40)

@@ -809,6 +809,8 @@ def make_parser():
 def load_moe(path, device="cpu"):
     """OUT/model.pt written by train() -> the MoE GPT-2 in one process (all experts, dropless), for sampling
     or evaluation. gpt2.load_for_inference builds a dense GPT-2 and cannot read it."""
+    if not os.path.exists(path):
+        gpt2.fail(f"{path} does not exist", "--init-from", "give the model.pt of a finished moe_ep.py run")
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     cfg = gpt2.GPTConfig(**ckpt["config"])
     model = gpt2.GPT(cfg)
@@ -822,21 +824,8 @@ def load_moe(path, device="cpu"):
 
 
 def sample(argv):
-    p = argparse.ArgumentParser(prog="moe_ep.py sample", description="Sample text from a model.pt written by moe_ep.py.")
-    p.add_argument("--init-from", default="out/model.pt", help="OUT/model.pt of a moe_ep.py run")
-    p.add_argument("--prompt", default="\n", help="text to continue")
-    p.add_argument("--num-samples", type=int, default=3, help="how many continuations")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens per continuation")
-    p.add_argument("--seed", type=int, default=42, help="sampling seed")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    a = p.parse_args(argv)
-    if not os.path.exists(a.init_from):
-        gpt2.fail(f"{a.init_from} does not exist", "--init-from", "give the model.pt of a finished moe_ep.py run")
-    torch.manual_seed(a.seed)
-    model, enc = load_moe(a.init_from, a.device), gpt2.get_tokenizer()
-    idx = torch.tensor([enc.encode(a.prompt, allowed_special={"<|endoftext|>"})] * a.num_samples, device=a.device)
-    for row in gpt2.generate(model, idx, a.max_new_tokens).tolist():
-        print(enc.decode(row), "\n" + "-" * 40)
+    """`python moe_ep.py sample --init-from OUT/model.pt`: gpt2.py's sample command with the MoE loader."""
+    gpt2.sample(argv, load_model=load_moe, prog="moe_ep.py sample", init_help="OUT/model.pt of a moe_ep.py run")
 
 
 if __name__ == "__main__":
