@@ -912,6 +912,38 @@ def print0(*a, **k):
         print(*a, **k, flush=True)
 
 
+class SavedBytes:
+    """Bytes autograd saves for backward inside the `with` block: what a rank's activations cost. Each storage
+    counts once (a view and its base are one); storages of `exclude` (the parameters: persistent, not
+    activations) are skipped.
+
+        with SavedBytes(exclude=model.parameters()) as saved:
+            loss = model(x, y)[1]
+        saved.bytes"""
+
+    def __init__(self, exclude=()):
+        self.skip = {t.untyped_storage().data_ptr() for t in exclude}
+        self.seen = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.skip:
+            self.seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    @property
+    def bytes(self):
+        return sum(self.seen.values())
+
+
 class CommMeter:
     """Bytes this rank sends, under the bandwidth-optimal algorithm for each collective (ring):
     all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S with S the full tensor's bytes,

@@ -54,22 +54,11 @@ def saved_activation_mb(model, batch_size, seq_len, probe_t=128):
     scaled linearly to batch_size x seq_len (the CPU SDPA path saves O(T) per token: 68.9 MB at T=128 and
     137.8 MB at T=256 per sequence for GPT-2 124M). The rest is the bf16 copies of the weights autocast
     makes once per forward. Returns (activations MB at batch_size x seq_len, weight copies MB)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
     def saved_mb(b):
-        seen, total = set(), [0]
-
-        def pack(t):
-            key = (t.untyped_storage().data_ptr(), t.dtype)
-            if key not in seen and key[0] not in params:  # persistent parameters are not activations
-                seen.add(key)
-                total[0] += t.untyped_storage().nbytes()
-            return t
-
         x = torch.randint(0, 50257, (b, probe_t))
-        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(x, x)
-        return total[0] / 1e6
+        with torch.autocast("cpu", dtype=torch.bfloat16), gpt2.SavedBytes(exclude=model.parameters()) as counted:
+            model(x, x)  # persistent parameters are not activations: excluded
+        return counted.bytes / 1e6
 
     one, two = saved_mb(1), saved_mb(2)
     return (two - one) * batch_size * seq_len / probe_t, one - (two - one)

@@ -29,22 +29,12 @@ def activation_mb(cfg, batch_size, seq_len, probe_tokens=128):
     difference is the per-token part (CPU SDPA is a flash kernel: out + logsumexp, no T x T), scaled to
     batch_size x seq_len; what does not scale is autocast's bf16 copy of the weights (2P), returned apart."""
     model = gpt2.GPT(cfg)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def saved(tokens):
-        seen = {}
-
-        def pack(t):
-            st = t.untyped_storage()
-            if st.data_ptr() not in params:
-                seen[st.data_ptr()] = st.nbytes()
-            return t
-
         idx = torch.randint(0, cfg.vocab_size, (1, tokens))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(idx, idx)[1]
-        del loss
-        return sum(seen.values())
+        with gpt2.SavedBytes(exclude=model.parameters()) as counted, torch.autocast("cpu", dtype=torch.bfloat16):
+            model(idx, idx)
+        return counted.bytes
 
     full, half = saved(probe_tokens), saved(probe_tokens // 2)
     per_token = (full - half) / (probe_tokens - probe_tokens // 2)

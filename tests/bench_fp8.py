@@ -24,6 +24,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fp8  # noqa: E402
+import gpt2  # noqa: E402
 
 
 def rel_err(a, ref):
@@ -246,7 +247,6 @@ def formats_loss_gaps(data, out, steps=60):
     autocast on a GPU (--dtype auto)."""
     import json
     import shutil
-    import gpt2
     base = ["--n-embd", "64", "--seq-len", "32", "--batch-size", "8", "--steps", str(steps),
             "--warmup", "10", "--lr", "2e-3", "--eval-every", "0", "--data", data]
     curves = {}
@@ -298,22 +298,11 @@ def activation_mb(model, batch_size, seq_len, probe_tokens=128):
     parameters excluded) in real CPU forwards of 1 x probe_tokens and 1 x probe_tokens/2 tokens; the
     difference is the per-token part (CPU SDPA saves out + logsumexp, no T x T), scaled to batch_size x
     seq_len. The rest (autocast's bf16 weight copies, or Fp8Linear's fp8 weights) is returned apart."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
     def saved(tokens):
-        seen = {}
-
-        def pack(t):
-            st = t.untyped_storage()
-            if st.data_ptr() not in params:
-                seen[st.data_ptr()] = st.nbytes()
-            return t
-
         idx = torch.randint(0, model.config.vocab_size, (1, tokens))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(idx, idx)[1]
-        del loss
-        return sum(seen.values())
+        with gpt2.SavedBytes(exclude=model.parameters()) as counted, torch.autocast("cpu", dtype=torch.bfloat16):
+            model(idx, idx)
+        return counted.bytes
 
     full, half = saved(probe_tokens), saved(probe_tokens // 2)
     per_token = (full - half) / (probe_tokens - probe_tokens // 2)

@@ -146,20 +146,10 @@ def saved_bytes(batch, seq_len):
     repeated storages not counted), measured with saved_tensors_hooks."""
     torch.manual_seed(0)
     model = gpt2.GPT(gpt2.MODELS["gpt2"])
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, total = set(), [0]
-
-    def pack(t):
-        key = t.untyped_storage().data_ptr()
-        if key not in params and key not in seen:
-            seen.add(key)
-            total[0] += t.untyped_storage().nbytes()
-        return t
-
     idx = torch.randint(0, 50257, (batch, seq_len))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+    with gpt2.SavedBytes(exclude=model.parameters()) as counted, torch.autocast("cpu", dtype=torch.bfloat16):
         model(idx, idx)
-    return total[0]
+    return counted.bytes
 
 
 def activation_mb(batch_size, seq_len):
