@@ -196,24 +196,28 @@ def accuracy_tables():
           f"(the emulation proves numerics, not speed)")
 
 
+def format_errors(M, K, N, outlier):
+    """GEMM error vs fp64 of x (M, K) @ W^T (N, K) with each format's dequantized operands; channel 7 of x is
+    scaled by `outlier` and left out of the error (what the outlier's block costs its neighbours)."""
+    x, w = torch.randn(M, K), torch.randn(N, K) * 0.02
+    x[:, 7] *= outlier
+    rest = torch.arange(K) != 7
+    ref = x[:, rest].double() @ w[:, rest].double().t()
+    deq = {"bf16": (x.bfloat16().float(), w.bfloat16().float()),
+           "deepseek": (fp8.dequantize_1x128(*fp8.quantize_1x128(x, True), x.shape),
+                        fp8.dequantize_128x128(*fp8.quantize_128x128(w), w.shape))}
+    for fmt in ("mxfp8", "nvfp4"):
+        deq[fmt] = (fp8.dequantize_blocks(*fp8.quantize_blocks(x, fmt), fmt, x.shape),
+                    fp8.dequantize_blocks(*fp8.quantize_blocks(w, fmt, square=fmt == "nvfp4"), fmt, w.shape))
+    return {k: rel_err(a[:, rest] @ b[:, rest].t(), ref) for k, (a, b) in deq.items()}
+
+
 def formats_gemm_errors():
     """Issue 19: GEMM error vs fp64 per format, random and with an outlier channel x[:, 7] *= 100 (error on
     the other channels' share of x @ W^T: what the outlier's block costs its neighbours)."""
     torch.manual_seed(0)
     M, K, N = 1024, 768, 768
-    table = {}
-    for case, m in (("random", 1.0), ("outlier channel x100", 100.0)):
-        x, w = torch.randn(M, K), torch.randn(N, K) * 0.02
-        x[:, 7] *= m
-        rest = torch.arange(K) != 7
-        ref = x[:, rest].double() @ w[:, rest].double().t()
-        deq = {"bf16": (x.bfloat16().float(), w.bfloat16().float()),
-               "deepseek": (fp8.dequantize_1x128(*fp8.quantize_1x128(x, True), x.shape),
-                            fp8.dequantize_128x128(*fp8.quantize_128x128(w), w.shape))}
-        for fmt in ("mxfp8", "nvfp4"):
-            deq[fmt] = (fp8.dequantize_blocks(*fp8.quantize_blocks(x, fmt), fmt, x.shape),
-                        fp8.dequantize_blocks(*fp8.quantize_blocks(w, fmt, square=fmt == "nvfp4"), fmt, w.shape))
-        table[case] = {k: rel_err(a[:, rest] @ b[:, rest].t(), ref) for k, (a, b) in deq.items()}
+    table = {case: format_errors(M, K, N, m) for case, m in (("random", 1.0), ("outlier channel x100", 100.0))}
     # wgrad-shaped (contraction over 1024 tokens), heavy-tailed operands: NVFP4 with and without the Hadamard
     heavy = [torch.randn(r, 1024) * torch.exp(1.5 * torch.randn(r, 1024)) for r in (N, K)]
     ref = heavy[0].double() @ heavy[1].double().t()

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import bench_fp8  # the per-format GEMM error table, computed the same way at a smaller size
 import fp8
 import gpt2
 from harness import max_rel_diff, read_metrics, run_distributed, train_losses
@@ -376,17 +377,7 @@ def test_block_formats_gemm_error_vs_fp64():
     M, K, N = 512, 512, 256
     errs = {}
     for case, m in (("random", 1.0), ("outlier x100", 100.0)):
-        x, w = torch.randn(M, K), torch.randn(N, K) * 0.02
-        x[:, 7] *= m
-        rest = torch.arange(K) != 7
-        ref = x[:, rest].double() @ w[:, rest].double().t()
-        deq = {"bf16": (x.bfloat16().float(), w.bfloat16().float()),
-               "deepseek": (fp8.dequantize_1x128(*fp8.quantize_1x128(x, True), x.shape),
-                            fp8.dequantize_128x128(*fp8.quantize_128x128(w), w.shape))}
-        for fmt in ("mxfp8", "nvfp4"):
-            deq[fmt] = (fp8.dequantize_blocks(*fp8.quantize_blocks(x, fmt), fmt, x.shape),
-                        fp8.dequantize_blocks(*fp8.quantize_blocks(w, fmt, square=fmt == "nvfp4"), fmt, w.shape))
-        errs[case] = {k: rel_err(a[:, rest] @ b[:, rest].t(), ref) for k, (a, b) in deq.items()}
+        errs[case] = bench_fp8.format_errors(M, K, N, m)  # the bench's table, at a test's size
         print(f"\n{case}: " + " | ".join(f"{k} {100 * v:.2f}%" for k, v in errs[case].items()))
     r, o = errs["random"], errs["outlier x100"]
     assert r["bf16"] < 0.005 and 0.02 < r["deepseek"] < 0.05 and abs(r["mxfp8"] / r["deepseek"] - 1) < 0.1
