@@ -602,7 +602,7 @@ def main(argv=None):
     args = parse_args(argv)  # the flags and their checks, in the appendix; --ckpt-dir is locked by rank 0
     world = int(os.environ.get("WORLD_SIZE", 1))
     own_group = world > 1 and not dist.is_initialized()  # tests may call main() inside their own group
-    ctx = gpt2.setup(args)
+    ctx = gpt2.setup(args, resumes=True)  # a run continues in its --out
     comm = gpt2.CommMeter()
     model = gpt2.build_model(args).to(ctx.device)
     cfg = model.config

@@ -522,7 +522,7 @@ def train(argv=None):
                       "use --fp8 off, or --device cpu to emulate")
     train_loader, val_loader = gpt2.make_loaders(args, rank, world, cfg.vocab_size)
 
-    ctx = gpt2.setup(args)
+    ctx = gpt2.setup(args, resumes=True)  # the comparison keeps each mode's curve in one OUT (metrics_fp8_<mode>.jsonl)
     model = gpt2.build_model(args)
     if args.fp8 == "on":
         convert_to_fp8(model, args.format, recipe)

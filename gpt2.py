@@ -409,7 +409,7 @@ class DataLoader:
         self.files = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.bin")))
         if not self.files:
             fail(f"no {split} shards (*{split}*.bin) in {data_dir!r}", "--data",
-                 f"run `python gpt2.py prepare shakespeare` or `prepare --text FILE --out {data_dir}`")
+                 f"run `python gpt2.py prepare shakespeare`, or offline `python gpt2.py prepare --text FILE --out {data_dir}`")
         self.B, self.T, self.rank, self.world, self.vocab_size = batch_size, seq_len, rank, world, vocab_size
         self.load_state_dict({"shard": 0, "pos": 0})
 
@@ -444,9 +444,14 @@ def make_loaders(args, rank=0, world=1, vocab_size=50257):
     """Train and val loaders for data-parallel rank `rank` of `world`. The default data directory is
     prepared on first use by a single process; with several ranks it must exist already."""
     if args.data == "data/shakespeare" and not glob.glob(os.path.join(args.data, "*train*.bin")):
-        if world > 1:
-            fail("no data in data/shakespeare", "--data", "run `python gpt2.py prepare shakespeare` first (one process)")
-        prepare(["shakespeare"])
+        error = None  # rank 0 prepares it for all (two ranks must not write one file); the others wait
+        if int(os.environ.get("RANK", 0)) == 0:
+            try:
+                prepare(["shakespeare"])
+            except UsageError as e:
+                error = e
+        if not agree(error is None):
+            raise error or UsageError("rank 0 could not prepare data/shakespeare", "--data", "see rank 0's line")
     loaders = (DataLoader(args.data, "train", args.batch_size, args.seq_len, rank, world, vocab_size),
                DataLoader(args.data, "val", args.batch_size, args.seq_len, rank, world, vocab_size))
     if getattr(args, "val_tokens", 0):
@@ -467,7 +472,7 @@ def download(url, path, offline_hint):
     """Fetch url to path once; a failed or interrupted download leaves nothing behind."""
     if os.path.exists(path):
         return path
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    make_dir(os.path.dirname(path) or ".", path)  # removed again if the download fails
     tmp = path + ".part"
     print(f"downloading {url}")
     try:
@@ -575,7 +580,7 @@ def prepare(argv):
     if a.name == "shakespeare":
         url = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
         out = a.out or "data/shakespeare"
-        src = download(url, os.path.join(out, "input.txt"), offline_hint="pass --text FILE --out DIR with a local copy")
+        src = download(url, os.path.join(out, "input.txt"), offline_hint=f"with a local copy of the text run `python gpt2.py prepare --text FILE --out {out}`")
         return prepare_text(src, out)
     if a.name == "fineweb10B":
         return prepare_fineweb10b(a.out or "data/fineweb10B", a.shards)
@@ -690,7 +695,8 @@ def train(argv=None):
             model.eval()
             metrics.log_val(step, evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
-    torch.save({"config": cfg.__dict__, "model": model.state_dict()}, os.path.join(args.out, "model.pt"))
+    check_finite_weights(model.parameters(), args.steps - 1)
+    save_model(os.path.join(args.out, "model.pt"), cfg, model.state_dict())
     metrics.plot()
     print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
 
@@ -721,15 +727,92 @@ def fail(what, where, todo, local=False):
 
 
 def run_main(main, argv=None):
-    """Every file's entry point: main(argv), with the project's own errors as one line, printed once."""
+    """Every file's entry point: main(argv), with the project's own errors as one line, printed once.
+    Ctrl-C ends in one line too (exit 130); a refused run removes the directories it created."""
     try:
         main(argv)
     except UsageError as e:
         if e.local or int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        elif "TORCHELASTIC_RUN_ID" in os.environ:
+            time.sleep(3)  # torchrun stops every rank when one exits: give rank 0 the time to print its line
+        remove_created_dirs()
         sys.exit(2)  # without destroying the group: a peer may be gone, and NCCL's teardown would wait for it
+    except KeyboardInterrupt:
+        if int(os.environ.get("RANK", 0)) == 0:
+            step = RUN["step"]
+            at = f"after step {step}" if step is not None else "before the first step"
+            print(f"interrupted {at}: {RUN['resume']}", file=sys.stderr, flush=True)
+        sys.exit(130)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# What a Ctrl-C reports: the last logged step (Metrics sets it) and how to go on (checkpoint.py says how to resume).
+RUN = {"step": None, "resume": "nothing was saved but metrics.jsonl; checkpoint.py --ckpt-dir DIR runs can resume"}
+_created_dirs = []
+
+
+def make_dir(path, flag):
+    """os.makedirs that remembers what it created, so that a refused run leaves no empty directory behind."""
+    missing = []
+    head = os.path.abspath(path)
+    while head and not os.path.exists(head):
+        missing.append(head)
+        head = os.path.dirname(head)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        fail(f"cannot create {path} ({e.strerror})", flag, "choose a directory you can write")
+    _created_dirs.extend(missing)
+
+
+def remove_created_dirs():
+    for d in _created_dirs:  # deepest first; a directory that holds anything but our LOCK is kept
+        with contextlib.suppress(OSError):
+            lock = os.path.join(d, "LOCK")
+            if os.listdir(d) == ["LOCK"]:
+                with open(lock) as f:
+                    if f.read() == f"{socket.gethostname()} {os.getpid()}":
+                        os.remove(lock)
+            os.rmdir(d)
+    _created_dirs.clear()
+
+
+def check_range(value, flag, lo=-math.inf, hi=math.inf, todo=None):
+    """The one rule for a number flag: finite and within [lo, hi], checked before the first collective."""
+    if not (math.isfinite(value) and lo <= value <= hi):
+        fail(f"{flag} is {value}", flag, todo or f"give a finite value in [{lo:g}, {hi:g}]")
+
+
+def agree(ok, device=None):
+    """True on every rank iff `ok` is true on every rank (one all-reduce; no group: just ok). Used where one
+    rank does work for all (rank 0 prepares the data) and all must stop together if it failed."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return bool(ok)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def check_finite_weights(tensors, step, device=None):
+    """Before anything is written: the weights after the last update are finite on every rank (the loss
+    check sees only the weights before it). A collective when there is a group: every rank calls it."""
+    tensors = [t for t in tensors if t.is_floating_point()]
+    bad = sum(int(not torch.isfinite(t.detach()).all()) for t in tensors)
+    if not agree(bad == 0, device):
+        fail(f"the weights are not finite after step {step} ({bad} of {len(tensors)} tensors on rank "
+             f"{int(os.environ.get('RANK', 0))} hold NaN or Inf)", "--lr",
+             "nothing was saved: lower --lr, keep --grad-clip on, or raise --warmup")
+
+
+def save_model(path, cfg, state, **extra):
+    """OUT/model.pt, written whole or not at all (tmp + rename). Call check_finite_weights first."""
+    tmp = path + ".tmp"
+    torch.save({"config": cfg.__dict__, "model": state, **extra}, tmp)
+    os.replace(tmp, path)
 
 
 def check_args(args):
@@ -744,9 +827,8 @@ def check_args(args):
         v = getattr(args, flag, None)
         if v is not None and v < 0:
             fail(f"--{flag.replace('_', '-')} is {v}", f"--{flag.replace('_', '-')}", "give 0 or a positive integer")
-    for flag in ("lr", "beta2", "weight_decay", "grad_clip"):
-        v = getattr(args, flag, None)
-        if v is not None and not math.isfinite(v):
+    for flag, v in vars(args).items():  # one rule for every float flag of every file: finite
+        if isinstance(v, float) and not math.isfinite(v):
             fail(f"--{flag.replace('_', '-')} is {v}", f"--{flag.replace('_', '-')}", "give a finite number")
     if getattr(args, "lr", 1.0) <= 0:
         fail(f"--lr is {args.lr}", "--lr", "give a positive learning rate (GPT-2 124M: 6e-4)")
@@ -766,10 +848,7 @@ def lock_dir(path, flag):
     """Hold `path` for this run alone: rank 0 creates path/LOCK ("host pid"), released at exit. A lock
     left by a dead process on this host is taken over; a live holder makes the second run refuse at once,
     before it writes anything (two runs in one --out would interleave metrics and overwrite model.pt)."""
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        fail(f"cannot create {path} ({e.strerror})", flag, "choose a directory you can write")
+    make_dir(path, flag)
     lock, me = os.path.join(path, "LOCK"), f"{socket.gethostname()} {os.getpid()}"
     for _ in range(3):
         try:
@@ -880,10 +959,22 @@ class Context:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
 
-def setup(args) -> Context:
+def check_fresh_out(out):
+    """A directory never mixes two runs: a finished run's results are not silently replaced. Every rank
+    checks before the group starts (or, where a group exists already, all agree before rank 0 writes)."""
+    old = [n for n in ("metrics.jsonl", "model.pt") if os.path.exists(os.path.join(out, n))]
+    if not agree(not old):
+        fail(f"{out} holds an earlier run ({', '.join(old) or 'see rank 0'})", "--out",
+             "choose a new --out, or delete that directory to start over")
+
+
+def setup(args, resumes=False) -> Context:
     """Read torchrun's environment, pick the device and backend (NCCL on CUDA, gloo on CPU), start the
-    process group with a timeout (a missing peer fails the job instead of hanging it)."""
+    process group with a timeout (a missing peer fails the job instead of hanging it). resumes=True: the
+    caller continues runs in --out (checkpoint.py) and checks it itself."""
     check_args(args)
+    if getattr(args, "warmup", 0) > getattr(args, "steps", math.inf):
+        print0(f"warning: --warmup {args.warmup} > --steps {args.steps}: the learning rate never reaches --lr")
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -892,6 +983,8 @@ def setup(args) -> Context:
              "launch at most one process per GPU")
     if rank == 0:
         lock_dir(args.out, "--out")
+    if not resumes:
+        check_fresh_out(args.out)  # every rank, before the group starts: all refuse together
     if "TORCHELASTIC_RUN_ID" in os.environ:
         watch_launcher()
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
@@ -903,7 +996,7 @@ def setup(args) -> Context:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout),
                                 **({"device_id": device} if use_cuda else {}))
-    os.makedirs(args.out, exist_ok=True)  # every rank sees it (rank 0 made it, or a shared filesystem lags)
+    make_dir(args.out, "--out")  # every rank sees it (rank 0 made it, or a shared filesystem lags)
     return Context(rank, world, local_rank, device, dtype, rank == 0)
 
 
@@ -1029,6 +1122,7 @@ class Metrics:
         dt = time.perf_counter() - self.t0
         tok_s = self.tokens_per_step / dt
         mfu = self.flops_per_step / dt / (self.ctx.world * self.peak) if self.peak else None
+        RUN["step"] = step
         rec = {"step": step, "loss": loss, "lr": lr, "tokens": (step + 1) * self.tokens_per_step,
                "dt_ms": dt * 1e3, "tok_per_s": tok_s, "mfu": mfu,
                "peak_mem_mb": peak_memory_mb(self.ctx.device), "comm_mb": comm_mb, **extra}

@@ -63,6 +63,34 @@ CASES = [
     ("ddp", ["--bucket-mb", "-1"], {}, "--bucket-mb"),
 ]
 
+# Each file's own rows (issue 25 and later), one block per file.
+CASES += [  # gpt2
+]
+
+CASES += [  # ddp
+]
+
+CASES += [  # fsdp2
+]
+
+CASES += [  # tensor_parallel
+]
+
+CASES += [  # pipeline
+]
+
+CASES += [  # moe_ep
+]
+
+CASES += [  # fp8
+]
+
+CASES += [  # muon
+]
+
+CASES += [  # checkpoint
+]
+
 
 def entry(name):
     mod = importlib.import_module(name)
@@ -161,8 +189,13 @@ def test_second_run_in_the_same_out_is_refused_and_a_stale_lock_is_taken(random_
     finally:
         first.kill()
         first.wait(timeout=30)
-    # the SIGKILLed run left its LOCK behind; its pid is dead, so the next run takes the lock over
+    # the SIGKILLed run left its LOCK behind; its pid is dead, so the next run takes the lock over, once the
+    # killed run's metrics are gone (a directory never mixes two runs: while they are there it is refused)
     assert (out / "LOCK").read_text().split()[1] == str(first.pid)
+    again = subprocess.run([sys.executable, "gpt2.py", "train", *SMALL, "--data", random_data, "--out", str(out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and f"error: {out} holds an earlier run (metrics.jsonl) (--out): " in again.stderr
+    (out / "metrics.jsonl").unlink()
     third = subprocess.run([sys.executable, "gpt2.py", "train", *SMALL, "--data", random_data, "--out", str(out)],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert third.returncode == 0, third.stderr[-2000:]
