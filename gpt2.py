@@ -1,11 +1,11 @@
 """
-gpt2.py - GPT-2 (124M and friends) in one file: the model, the data, a single-process trainer, and
-the small shared toolkit every technique file of this project imports (and nothing else of ours).
+gpt2.py - GPT-2 (124M and friends) in one file: the model, the data loader and the training recipe that
+every technique file of this project must reproduce, then (in the appendix) the shared toolkit.
 
 The idea: one exact, readable GPT-2, weight-compatible with OpenAI's, trained the way llm.c and
-modded-nanogpt train it. Every distributed technique (ddp.py, fsdp2.py, tensor_parallel.py, ...)
-reuses this model and this data loader, so with the same seed and the same global batch each of them
-must reproduce this file's loss curve step by step: that equality is how we know they are right.
+modded-nanogpt train it. Every distributed technique (ddp.py, fsdp2.py, tensor_parallel.py, ...) reuses
+this model and this loader, so with the same seed and the same global batch each must reproduce this
+file's loss curve step by step: that equality is how we know they are right.
 
     tokens (B,T) --wte+wpe--> x --[Block]*L--> ln_f --lm_head (tied to wte)--> logits (B,T,50257)
     Block:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))           (pre-LayerNorm, GELU-tanh)
@@ -14,30 +14,26 @@ must reproduce this file's loss curve step by step: that equality is how we know
     step:  one contiguous global batch of world*B*T+1 tokens; rank r takes rows [r*B, (r+1)*B)
            -> the union over ranks is exactly the single-process batch, for any world size
 
-GPT-2 124M on one GPU: 124,475,904 parameters (50,304 x 768 tied embedding = 38.6M of them); fp32
-weights 0.50 GB + gradients 0.50 GB + AdamW's two moments 1.00 GB = 16 bytes x params = 1.99 GB before
-activations. Forward + backward costs 6N + 12*L*H*Q*T FLOPs per token, N = 123.7M (all but wpe: the tied
-wte is also the lm_head matmul) -> 0.74 GFLOP + 0.11 GFLOP at T=1024 = 0.85 GFLOP per token.
+Closed forms (GPT-2 124M: 124,475,904 parameters, the 50,304 x 768 tied embedding 38.6M of them):
+    memory, one process:  fp32 weights 4P + grads 4P + AdamW moments 8P = 16 B x P = 1.99 GB + activations
+    FLOPs per token:      6N + 12*L*H*Q*T, N = 123.7M (all but wpe) -> 0.85 GFLOP at T=1024 (PaLM app. B)
 
-The sections, in reading order (a technique file uses 1-4; 5 is for using a trained model):
-    1. Model         GPTConfig, GPT (embed / forward_blocks / head_loss), build_model, HF weights
-    2. Data          shard format, DataLoader, make_loaders, prepare (Shakespeare, FineWeb)
-    3. Recipe        AdamW groups, lr_at / set_lr, accumulate_grads, evaluate, train() - the reference loop
-    4. Plumbing      collective names, one-line errors (fail, run_main, check_args, lock_dir), make_parser,
-                     setup (process group with a timeout), CommMeter, Metrics, Profiler
-    5. Inference     generate / sample, HellaSwag, export to the Hugging Face layout
+Reading order: the model (GPTConfig, GPT with embed / forward_blocks / head_loss, build_model), the data
+(shard format, DataLoader, make_loaders), the recipe (AdamW groups, lr_at, accumulate_grads, evaluate,
+train: the reference loop). The appendix holds what a technique file borrows and what a user runs after:
+HF weights in and out, corpus preparation, one-line errors and argument checks, locks, setup of the
+process group, byte meters, metrics, profiler, sampling, HellaSwag, export.
 
 Launch:
-    python gpt2.py prepare shakespeare                  # or: prepare --text FILE --out DIR (offline)
-    python gpt2.py train                                # tiny model on CPU, a first run in a minute
+    python gpt2.py prepare --text ../shared/data/tinyshakespeare.txt --out data/shakespeare   # offline
+    python gpt2.py train --out out/gpt2                 # tiny model on CPU (or: prepare shakespeare online)
     python gpt2.py train --model gpt2 --data data/fineweb10B --batch-size 16 --grad-accum 32 --compile \
         --val-tokens 10485760
-    python gpt2.py sample --init-from gpt2 --prompt "Hello, I'm a language model,"
-    python gpt2.py hellaswag --init-from gpt2
-    python gpt2.py export --init-from out/model.pt --out out/hf   # config.json + model.safetensors
+    python gpt2.py sample --init-from out/gpt2/model.pt --prompt "Hello, I'm a language model,"
+    python gpt2.py hellaswag --init-from gpt2;  python gpt2.py export --init-from out/gpt2/model.pt --out out/hf
 
-References: Radford et al. 2019 (GPT-2); Karpathy's nanoGPT, llm.c and build-nanogpt; Keller Jordan's
-modded-nanogpt (the shard format and the 3.28 FineWeb speedrun target).
+References: Radford et al. 2019 (GPT-2, section 2.3 init); Karpathy's nanoGPT, llm.c and build-nanogpt;
+Keller Jordan's modded-nanogpt (the shard format and the 3.28 FineWeb speedrun target).
 """
 import argparse
 import atexit
@@ -64,8 +60,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-# ----------------------------------------------------------------------------------------------------
-# 1. Model: GPT-2, its config, and OpenAI's weights in the Hugging Face layout
+
+# The model: GPT-2 exactly as OpenAI shaped it, cut into embed / forward_blocks / head_loss for the techniques
 
 
 @dataclass
@@ -194,62 +190,6 @@ class GPT(nn.Module):
         logits = self.logits(x)
         return logits, cross_entropy(logits, targets)
 
-    @classmethod
-    def from_pretrained(cls, name_or_dir: str) -> "GPT":
-        """OpenAI's weights in the Hugging Face layout: a name ("gpt2", "gpt2-medium", ...) is
-        downloaded once to data/weights/NAME; a local directory needs config.json plus
-        model.safetensors or pytorch_model.bin."""
-        d = name_or_dir
-        if not os.path.isdir(d):
-            if name_or_dir not in MODELS or name_or_dir == "tiny":
-                fail(f"{name_or_dir!r} is neither a directory nor a GPT-2 name", "--init-from",
-                     "pass gpt2, gpt2-medium, gpt2-large, gpt2-xl or a directory with config.json")
-            d = os.path.join("data", "weights", name_or_dir)
-            for f in ("config.json", "model.safetensors"):
-                download(f"https://huggingface.co/{name_or_dir}/resolve/main/{f}", os.path.join(d, f),
-                         offline_hint="pass a local directory holding config.json and model.safetensors")
-        with open(os.path.join(d, "config.json")) as f:
-            hf = json.load(f)
-        cfg = GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
-                        n_head=hf["n_head"], n_embd=hf["n_embd"],
-                        padded_vocab=math.ceil(hf["vocab_size"] / 128) * 128)
-        if os.path.exists(os.path.join(d, "model.safetensors")):
-            sd = load_safetensors(os.path.join(d, "model.safetensors"))
-        elif os.path.exists(os.path.join(d, "pytorch_model.bin")):
-            sd = torch.load(os.path.join(d, "pytorch_model.bin"), map_location="cpu", weights_only=True)
-        else:
-            fail(f"{d} holds neither model.safetensors nor pytorch_model.bin", "--init-from",
-                 "point it at a HF-layout GPT-2 directory")
-        model = cls(cfg)
-        ours = model.state_dict()
-        # OpenAI's Conv1D stores Linear weights as (in, out): transpose them
-        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        seen = set()
-        for k, v in sd.items():
-            k = k.removeprefix("transformer.")
-            if k.endswith((".attn.bias", ".attn.masked_bias")) or k == "lm_head.weight":
-                continue  # causal-mask buffers, and the head that is tied to wte
-            if k not in ours:
-                fail(f"unexpected tensor {k!r}", d, "this is not a GPT-2 checkpoint in the HF layout")
-            v = v.float()
-            if k.endswith(conv1d):
-                v = v.t()
-            with torch.no_grad():
-                if k == "wte.weight":
-                    ours[k].zero_()
-                    ours[k][: v.size(0)].copy_(v)
-                else:
-                    if ours[k].shape != v.shape:
-                        fail(f"{k} has shape {tuple(v.shape)}, config.json implies {tuple(ours[k].shape)}", d,
-                             "the weights and config.json disagree: re-export or re-download them")
-                    ours[k].copy_(v)
-            seen.add(k)
-        missing = set(ours) - seen - {"lm_head.weight"}
-        if missing:
-            fail(f"missing tensors {sorted(missing)[:5]}", d,
-                 "the checkpoint is incomplete: re-export or re-download it")
-        return model
-
 
 def cross_entropy(logits, targets):
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
@@ -295,89 +235,10 @@ def build_model(args) -> GPT:
     return model
 
 
-def load_weights(init_from) -> GPT:
-    """A pretrained name, a HF-layout directory, or a model.pt written by this project's training loops."""
-    if init_from.endswith(".pt"):
-        try:
-            ck = torch.load(init_from, map_location="cpu", weights_only=True)
-            model = GPT(GPTConfig(**ck["config"]))
-            model.load_state_dict(ck["model"])
-        except FileNotFoundError:
-            fail(f"no such file {init_from}", "--init-from", "pass OUT/model.pt of a finished run")
-        except (RuntimeError, KeyError, TypeError, EOFError, OSError, pickle.UnpicklingError) as e:
-            fail(f"not a model.pt of this project ({e.__class__.__name__})", init_from,
-                 "pass OUT/model.pt of a finished run")
-        return model
-    return GPT.from_pretrained(init_from)
-
-
-def load_safetensors(path):
-    """The safetensors layout: 8-byte little-endian header length, a JSON header of
-    {name: {dtype, shape, data_offsets}}, then the raw bytes. The file is memory-mapped (copy-on-write),
-    so the tensors alias it: no copy of the 500 MB file is made before the model takes its weights."""
-    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-    size = os.path.getsize(path)
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if not 2 <= n <= size - 8:
-                raise ValueError(f"header length {n} does not fit a {size}-byte file")
-            header = json.loads(f.read(n))
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else bytearray()
-        out = {}
-        for k, meta in header.items():
-            if k == "__metadata__":
-                continue
-            start, end = meta["data_offsets"]
-            dtype = dtypes[meta["dtype"]]
-            count = math.prod(meta["shape"])
-            if not 0 <= start <= end <= size - 8 - n or end - start != count * dtype.itemsize:
-                raise ValueError(f"{k}: bytes [{start}, {end}) do not hold shape {meta['shape']} in a {size}-byte file")
-            out[k] = torch.frombuffer(buf, dtype=dtype, count=count, offset=8 + n + start).reshape(meta["shape"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError) as e:
-        fail(f"not a readable safetensors file ({e.__class__.__name__}: {e})", path,
-             "it is truncated or corrupt: re-download or re-export it")
-    return out
-
-
-def save_safetensors(tensors, path):
-    """The inverse of load_safetensors: a JSON header (padded to 8 bytes), then each tensor's bytes."""
-    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for k, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[k] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    tmp = path + ".part"
-    with open(tmp, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for t in tensors.values():
-            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
-    os.replace(tmp, path)  # a reader never sees half a file
-
-
-# ----------------------------------------------------------------------------------------------------
-# 2. Data: the speedrun's shard format and a loader whose global batch does not depend on world size
+# The data: the speedrun's shard format and a loader whose global batch does not depend on the world size
 
 MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
 EOT = 50256  # <|endoftext|>, put before every document
-
-
-def write_shard(path, tokens):
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
-        raise ValueError(f"{path}: tokens must lie in [0, 65535] to be stored as uint16")
-    header = np.zeros(HEADER_INTS, dtype=np.int32)
-    header[:3] = (MAGIC, VERSION, tokens.size)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:  # write aside, then rename: a crash never leaves half a shard
-        f.write(header.tobytes())
-        f.write(tokens.astype(np.uint16).tobytes())
-    os.replace(tmp, path)
 
 
 def read_shard(path, vocab_size=None):
@@ -411,6 +272,7 @@ class DataLoader:
             fail(f"no {split} shards (*{split}*.bin) in {data_dir!r}", "--data",
                  f"run `python gpt2.py prepare shakespeare`, or offline `python gpt2.py prepare --text FILE --out {data_dir}`")
         self.B, self.T, self.rank, self.world, self.vocab_size = batch_size, seq_len, rank, world, vocab_size
+        self.eval_steps = None  # set by make_loaders for --val-tokens
         self.load_state_dict({"shard": 0, "pos": 0})
 
     def state_dict(self):
@@ -464,8 +326,270 @@ def make_loaders(args, rank=0, world=1, vocab_size=50257):
         if args.val_tokens > have:
             fail(f"--val-tokens {args.val_tokens} exceeds the {have} tokens of {loaders[1].files[0]}", "--val-tokens",
                  f"use at most {have // span * span}")
-        args.eval_steps = args.val_tokens // span  # every file's evaluate() reads args.eval_steps batches
+        loaders[1].eval_steps = args.val_tokens // span  # evaluate() reads this many batches, not --eval-steps
     return loaders
+
+
+# The recipe: AdamW groups, warmup + cosine LR, accumulation, evaluation, and the reference loop
+
+
+def optimizer_groups(model, weight_decay):
+    """Decay 2-D weights (matmuls, embeddings) only; biases and LayerNorm gains are left alone."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def make_adamw(params_or_groups, args, device):
+    return torch.optim.AdamW(params_or_groups, lr=args.lr, betas=(0.9, args.beta2), eps=1e-8,
+                             fused=device.type == "cuda")
+
+
+def lr_at(step, args):
+    """Linear warmup for --warmup steps, then cosine decay to 10% of --lr at the last step."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    min_lr = 0.1 * args.lr
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - min_lr)
+
+
+def set_lr(opt, step, args):
+    """Put step's scheduled learning rate into every param group of opt; returns it."""
+    lr = lr_at(step, args)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    return lr
+
+
+def accumulate_grads(loss_fn, loader, args, device, after_backward=None):
+    """Forward and backward over --grad-accum micro-batches. Each micro-batch's loss is divided by
+    grad_accum, so the accumulated gradient is the gradient of the mean over all of them. loss_fn(x, y)
+    returns a micro-batch's mean loss; after_backward() runs after each backward (e.g. reduce-scatter).
+    Returns this rank's mean loss of the step, detached."""
+    loss_sum = torch.zeros((), device=device)
+    for _ in range(args.grad_accum):
+        x, y = loader.next_batch()
+        loss = loss_fn(x.to(device), y.to(device)) / args.grad_accum
+        loss_sum += loss.detach()
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+    return loss_sum
+
+
+@torch.no_grad()
+def evaluate(loss_fn, loader: DataLoader, steps, device):
+    """Mean validation loss over `steps` batches (--val-tokens: the loader's own count) from the start of the
+    val split. loss_fn(x, y) -> loss; with a group the ranks' means are averaged = the single-process mean."""
+    steps = loader.eval_steps or steps
+    loader.load_state_dict({"shard": 0, "pos": 0})
+    total = torch.zeros((), device=device)
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        total += loss_fn(x.to(device), y.to(device)).float()
+    total /= steps
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        total /= dist.get_world_size()
+    return total.item()
+
+
+def check_finite(loss, step, what="loss"):
+    if not math.isfinite(loss):
+        fail(f"{what} is {loss} at step {step}", "--lr", "lower --lr, raise --warmup, or check the data")
+
+
+def train(argv=None):
+    args = make_parser("Train GPT-2 in one process (see ddp.py for several).").parse_args(argv)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        fail("gpt2.py trains in one process", "WORLD_SIZE",
+             "for several use `torchrun --nproc_per_node=N ddp.py` (same flags)")
+    ctx = setup(args)
+    model = build_model(args).to(ctx.device)
+    cfg = model.config
+    train_loader, val_loader = make_loaders(args, vocab_size=cfg.vocab_size)
+    opt = make_adamw(optimizer_groups(model, args.weight_decay), args, ctx.device)
+    fwd = torch.compile(model) if args.compile else model
+    metrics = Metrics(args, ctx, cfg, model.num_params(), args.batch_size * args.seq_len * args.grad_accum)
+    profiler = Profiler(args, ctx)
+    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | device {ctx.device} {ctx.dtype}")
+
+    def loss_fn(x, y):
+        with ctx.autocast():
+            return fwd(x, y)[1]  # the logits are dropped here, before backward: B*T*V floats
+
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = set_lr(opt, step, args)
+        loss_sum = accumulate_grads(loss_fn, train_loader, args, ctx.device)
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_val = loss_sum.item()
+        check_finite(loss_val, step)
+        metrics.log_step(step, loss_val, lr)
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            model.eval()
+            metrics.log_val(step, evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
+            model.train()
+    check_finite_weights(model.parameters(), args.steps - 1)
+    save_model(os.path.join(args.out, "model.pt"), cfg, model.state_dict())
+    metrics.plot()
+    print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
+
+
+# ---- Appendix ----
+# HF weights in and out: OpenAI's checkpoints in the Hugging Face layout, and this project's model.pt
+
+
+def load_weights(init_from) -> GPT:
+    """A pretrained name, a HF-layout directory, or a model.pt written by this project's training loops."""
+    if init_from.endswith(".pt"):
+        try:
+            ck = torch.load(init_from, map_location="cpu", weights_only=True)
+            if isinstance(ck, dict) and "moe" in ck:
+                fail(f"{init_from} is a mixture-of-experts model written by moe_ep.py", "--init-from",
+                     f"sample it with `python moe_ep.py sample --init-from {init_from}` (export takes dense GPT-2 only)")
+            model = GPT(GPTConfig(**ck["config"]))
+            model.load_state_dict(ck["model"])
+        except FileNotFoundError:
+            fail(f"no such file {init_from}", "--init-from", "pass OUT/model.pt of a finished run")
+        except (RuntimeError, KeyError, TypeError, EOFError, OSError, pickle.UnpicklingError) as e:
+            fail(f"not a model.pt of this project ({e.__class__.__name__})", init_from,
+                 "pass OUT/model.pt of a finished run")
+        return model
+    return from_pretrained(init_from)
+
+
+def from_pretrained(name_or_dir: str) -> GPT:
+    """OpenAI's weights in the Hugging Face layout: a name ("gpt2", "gpt2-medium", ...) is
+    downloaded once to data/weights/NAME; a local directory needs config.json plus
+    model.safetensors or pytorch_model.bin."""
+    d = name_or_dir
+    if not os.path.isdir(d):
+        if name_or_dir not in MODELS or name_or_dir == "tiny":
+            fail(f"{name_or_dir!r} is neither a directory nor a GPT-2 name", "--init-from",
+                 "pass gpt2, gpt2-medium, gpt2-large, gpt2-xl or a directory with config.json")
+        d = os.path.join("data", "weights", name_or_dir)
+        for f in ("config.json", "model.safetensors"):
+            download(f"https://huggingface.co/{name_or_dir}/resolve/main/{f}", os.path.join(d, f),
+                     offline_hint="pass a local directory holding config.json and model.safetensors")
+    try:
+        with open(os.path.join(d, "config.json")) as f:
+            hf = json.load(f)
+        cfg = GPTConfig(block_size=int(hf["n_positions"]), vocab_size=int(hf["vocab_size"]), n_layer=int(hf["n_layer"]),
+                        n_head=int(hf["n_head"]), n_embd=int(hf["n_embd"]),
+                        padded_vocab=math.ceil(int(hf["vocab_size"]) / 128) * 128)
+    except FileNotFoundError:
+        fail(f"{d} has no config.json", "--init-from", "point it at a HF-layout GPT-2 directory (config.json + "
+             "model.safetensors), e.g. one written by `python gpt2.py export`")
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        fail(f"config.json is not a GPT-2 config ({e.__class__.__name__}: {e})", os.path.join(d, "config.json"),
+             "it needs n_positions, vocab_size, n_layer, n_head, n_embd: re-export or re-download it")
+    if os.path.exists(os.path.join(d, "model.safetensors")):
+        sd = load_safetensors(os.path.join(d, "model.safetensors"))
+    elif os.path.exists(os.path.join(d, "pytorch_model.bin")):
+        sd = torch.load(os.path.join(d, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    else:
+        fail(f"{d} holds neither model.safetensors nor pytorch_model.bin", "--init-from",
+             "point it at a HF-layout GPT-2 directory")
+    model = GPT(cfg)
+    ours = model.state_dict()
+    # OpenAI's Conv1D stores Linear weights as (in, out): transpose them
+    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    seen = set()
+    for k, v in sd.items():
+        k = k.removeprefix("transformer.")
+        if k.endswith((".attn.bias", ".attn.masked_bias")) or k == "lm_head.weight":
+            continue  # causal-mask buffers, and the head that is tied to wte
+        if k not in ours:
+            fail(f"unexpected tensor {k!r}", d, "this is not a GPT-2 checkpoint in the HF layout")
+        v = v.float()
+        if k.endswith(conv1d):
+            v = v.t()
+        with torch.no_grad():
+            if k == "wte.weight":
+                ours[k].zero_()
+                ours[k][: v.size(0)].copy_(v)
+            else:
+                if ours[k].shape != v.shape:
+                    fail(f"{k} has shape {tuple(v.shape)}, config.json implies {tuple(ours[k].shape)}", d,
+                         "the weights and config.json disagree: re-export or re-download them")
+                ours[k].copy_(v)
+        seen.add(k)
+    missing = set(ours) - seen - {"lm_head.weight"}
+    if missing:
+        fail(f"missing tensors {sorted(missing)[:5]}", d,
+             "the checkpoint is incomplete: re-export or re-download it")
+    return model
+
+
+def load_safetensors(path):
+    """The safetensors layout: 8-byte little-endian header length, a JSON header of
+    {name: {dtype, shape, data_offsets}}, then the raw bytes. The file is memory-mapped (copy-on-write),
+    so the tensors alias it: no copy of the 500 MB file is made before the model takes its weights."""
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= size - 8:
+                raise ValueError(f"header length {n} does not fit a {size}-byte file")
+            header = json.loads(f.read(n))
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else bytearray()
+        out = {}
+        for k, meta in header.items():
+            if k == "__metadata__":
+                continue
+            start, end = meta["data_offsets"]
+            dtype = dtypes[meta["dtype"]]
+            count = math.prod(meta["shape"])
+            if not 0 <= start <= end <= size - 8 - n or end - start != count * dtype.itemsize:
+                raise ValueError(f"{k}: bytes [{start}, {end}) do not hold shape {meta['shape']} in a {size}-byte file")
+            out[k] = torch.frombuffer(buf, dtype=dtype, count=count, offset=8 + n + start).reshape(meta["shape"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError) as e:
+        fail(f"not a readable safetensors file ({e.__class__.__name__}: {e})", path,
+             "it is truncated or corrupt: re-download or re-export it")
+    return out
+
+
+def save_safetensors(tensors, path):
+    """The inverse of load_safetensors: a JSON header (padded to 8 bytes), then each tensor's bytes."""
+    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = path + ".part"
+    with open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for t in tensors.values():
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+# Corpus preparation and downloads
+
+
+def write_shard(path, tokens):
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError(f"{path}: tokens must lie in [0, 65535] to be stored as uint16")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (MAGIC, VERSION, tokens.size)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:  # write aside, then rename: a crash never leaves half a shard
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.uint16).tobytes())
+    os.replace(tmp, path)
 
 
 def download(url, path, offline_hint):
@@ -499,8 +623,16 @@ def get_tokenizer():
 def prepare_text(text_file, out_dir):
     """Any local text: a 90/10 split on characters (as nanoGPT does), GPT-2 tokens, one shard each."""
     enc = get_tokenizer()
-    with open(text_file, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(text_file, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        fail(f"not UTF-8 text (byte {e.start}: {e.reason})", text_file, "pass a plain-text file")
+    except OSError as e:
+        fail(f"cannot read {text_file} ({e.strerror})", "--text", "pass an existing plain-text file")
+    if not text.strip():
+        fail("the file holds no text", text_file, "pass a file with some text to train on")
+    make_dir(out_dir, "--out")
     cut = int(0.9 * len(text))
     for split, part in (("train", text[:cut]), ("val", text[cut:])):
         tokens = np.array(enc.encode_ordinary(part), dtype=np.uint16)
@@ -589,121 +721,8 @@ def prepare(argv):
     p.error("name a corpus or pass --text FILE")
 
 
-# ----------------------------------------------------------------------------------------------------
-# 3. The training recipe: AdamW groups, LR schedule, gradient accumulation, evaluation, the
-#    single-process loop every technique must reproduce
-
-
-def optimizer_groups(model, weight_decay):
-    """Decay 2-D weights (matmuls, embeddings) only; biases and LayerNorm gains are left alone."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-
-
-def make_adamw(params_or_groups, args, device):
-    return torch.optim.AdamW(params_or_groups, lr=args.lr, betas=(0.9, args.beta2), eps=1e-8,
-                             fused=device.type == "cuda")
-
-
-def lr_at(step, args):
-    """Linear warmup for --warmup steps, then cosine decay to 10% of --lr at the last step."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    min_lr = 0.1 * args.lr
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - min_lr)
-
-
-def set_lr(opt, step, args):
-    """Put step's scheduled learning rate into every param group of opt; returns it."""
-    lr = lr_at(step, args)
-    for g in opt.param_groups:
-        g["lr"] = lr
-    return lr
-
-
-def accumulate_grads(loss_fn, loader, args, device, after_backward=None):
-    """Forward and backward over --grad-accum micro-batches. Each micro-batch's loss is divided by
-    grad_accum, so the accumulated gradient is the gradient of the mean over all of them. loss_fn(x, y)
-    returns a micro-batch's mean loss; after_backward() runs after each backward (e.g. reduce-scatter).
-    Returns this rank's mean loss of the step, detached."""
-    loss_sum = torch.zeros((), device=device)
-    for _ in range(args.grad_accum):
-        x, y = loader.next_batch()
-        loss = loss_fn(x.to(device), y.to(device)) / args.grad_accum
-        loss_sum += loss.detach()
-        loss.backward()
-        if after_backward is not None:
-            after_backward()
-    return loss_sum
-
-
-@torch.no_grad()
-def evaluate(loss_fn, loader: DataLoader, steps, device):
-    """Mean validation loss over `steps` batches from the start of the val split. loss_fn(x, y) -> loss;
-    with a process group the ranks' means are averaged, which equals the single-process mean."""
-    loader.load_state_dict({"shard": 0, "pos": 0})
-    total = torch.zeros((), device=device)
-    for _ in range(steps):
-        x, y = loader.next_batch()
-        total += loss_fn(x.to(device), y.to(device)).float()
-    total /= steps
-    if dist.is_initialized():
-        dist.all_reduce(total)
-        total /= dist.get_world_size()
-    return total.item()
-
-
-def check_finite(loss, step, what="loss"):
-    if not math.isfinite(loss):
-        fail(f"{what} is {loss} at step {step}", "--lr", "lower --lr, raise --warmup, or check the data")
-
-
-def train(argv=None):
-    args = make_parser("Train GPT-2 in one process (see ddp.py for several).").parse_args(argv)
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        fail("gpt2.py trains in one process", "WORLD_SIZE",
-             "for several use `torchrun --nproc_per_node=N ddp.py` (same flags)")
-    ctx = setup(args)
-    model = build_model(args).to(ctx.device)
-    cfg = model.config
-    train_loader, val_loader = make_loaders(args, vocab_size=cfg.vocab_size)
-    opt = make_adamw(optimizer_groups(model, args.weight_decay), args, ctx.device)
-    fwd = torch.compile(model) if args.compile else model
-    metrics = Metrics(args, ctx, cfg, model.num_params(), args.batch_size * args.seq_len * args.grad_accum)
-    profiler = Profiler(args, ctx)
-    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | device {ctx.device} {ctx.dtype}")
-
-    def loss_fn(x, y):
-        with ctx.autocast():
-            return fwd(x, y)[1]  # the logits are dropped here, before backward: B*T*V floats
-
-    for step in range(args.steps):
-        profiler.step(step)
-        metrics.start_step()
-        lr = set_lr(opt, step, args)
-        loss_sum = accumulate_grads(loss_fn, train_loader, args, ctx.device)
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_val = loss_sum.item()
-        check_finite(loss_val, step)
-        metrics.log_step(step, loss_val, lr)
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            model.eval()
-            metrics.log_val(step, evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
-            model.train()
-    check_finite_weights(model.parameters(), args.steps - 1)
-    save_model(os.path.join(args.out, "model.pt"), cfg, model.state_dict())
-    metrics.plot()
-    print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
-
-
-# ----------------------------------------------------------------------------------------------------
-# 4. Shared plumbing for the technique files: collective names, errors, the CLI, process setup,
-#    communication meter, metrics, profiler
+# Shared plumbing for the technique files: collective names, one-line errors and checks, locks, setup,
+# byte meters, metrics, profiler
 
 
 # torch 2.13 renamed the flat collectives reduce_scatter_tensor / all_gather_into_tensor (the old names
@@ -738,6 +757,16 @@ def run_main(main, argv=None):
             time.sleep(3)  # torchrun stops every rank when one exits: give rank 0 the time to print its line
         remove_created_dirs()
         sys.exit(2)  # without destroying the group: a peer may be gone, and NCCL's teardown would wait for it
+    except RuntimeError as e:  # torch's DistBackendError / DistNetworkError, gloo's lost connections
+        if not (dist.is_initialized() and peer_lost(e)):
+            raise  # a bug: its traceback
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per surviving machine
+            reason = str(e).strip().splitlines()[0].split("] ")[-1].split(". ")[0][:120]  # gloo/NCCL's first sentence
+            print(f"error: another rank of the job is gone ({reason}) (torchrun): this rank "
+                  f"{os.environ.get('RANK', 0)} stops; {RUN['resume']}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        atexit._run_exitfuncs()  # release --out's lock; then leave without tearing down a group whose peers are gone
+        os._exit(3)
     except KeyboardInterrupt:
         if int(os.environ.get("RANK", 0)) == 0:
             step = RUN["step"]
@@ -748,8 +777,15 @@ def run_main(main, argv=None):
         dist.destroy_process_group()
 
 
-# What a Ctrl-C reports: the last logged step (Metrics sets it) and how to go on (checkpoint.py says how to resume).
-RUN = {"step": None, "resume": "nothing was saved but metrics.jsonl; checkpoint.py --ckpt-dir DIR runs can resume"}
+def peer_lost(e):
+    """A collective failed because another process (or its machine) went away, not because of a bug here."""
+    lost = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
+            "communicator was aborted", "NCCL error", "Socket Timeout")
+    return isinstance(e, (dist.DistBackendError, dist.DistNetworkError)) or any(s in str(e) for s in lost)
+
+
+# What a Ctrl-C or a lost peer reports: the last logged step (Metrics sets it) and how to go on (checkpoint.py says how to resume).
+RUN = {"step": None, "resume": "nothing was saved but metrics.jsonl (checkpoint.py --ckpt-dir DIR runs can resume)"}
 _created_dirs = []
 
 
@@ -1184,20 +1220,29 @@ class Profiler:
             self.prof = None
 
 
-# ----------------------------------------------------------------------------------------------------
-# 5. Sampling, HellaSwag, export
+# Using a trained model: sampling, HellaSwag, export to the Hugging Face layout
 
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=50):
+    """temperature 0 = greedy (the likeliest token each time); top_k 0 = sample among all tokens."""
     for _ in range(max_new_tokens):
         logits, _ = model(idx[:, -model.config.block_size:])
-        logits = logits[:, -1, :] / temperature
+        logits = logits[:, -1, :]
+        if temperature == 0:
+            idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
+            continue
+        logits = logits / temperature
         if top_k:
             kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
             logits = logits.masked_fill(logits < kth, -float("inf"))
         idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
     return idx
+
+
+def check_device(device):
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device {device} but this machine has no visible GPU", "--device", "use --device cpu")
 
 
 def load_for_inference(init_from, device):
@@ -1237,18 +1282,27 @@ def hellaswag(argv):
     p.add_argument("--limit", type=int, default=0, help="score only the first N examples (0 = all)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     a = p.parse_args(argv)
+    check_device(a.device)
+    check_range(a.limit, "--limit", 0, todo="give 0 (all) or a positive number of examples")
     if not os.path.exists(a.file):
         download("https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl", a.file,
                  offline_hint="pass --file with a local copy of hellaswag_val.jsonl")
     model, enc = load_for_inference(a.init_from, torch.device(a.device)), get_tokenizer()
     n = acc = acc_norm = 0
     with open(a.file) as f:
-        for line in f:
-            ex = json.loads(line)
+        for i, line in enumerate(f, 1):
+            try:
+                ex = json.loads(line)
+                assert len(ex["endings"]) == 4 and ex["label"] in range(4) and isinstance(ex["ctx"], str)
+            except (ValueError, KeyError, TypeError, AssertionError):
+                fail(f"line {i} is not a HellaSwag example (ctx, 4 endings, label)", a.file,
+                     "pass the hellaswag_val.jsonl of rowanz/hellaswag")
             pred, pred_norm = hellaswag_predict(model, enc, ex, torch.device(a.device))
             n, acc, acc_norm = n + 1, acc + (pred == ex["label"]), acc_norm + (pred_norm == ex["label"])
             if n == a.limit:
                 break
+    if n == 0:
+        fail("no examples in the file", a.file, "pass the hellaswag_val.jsonl of rowanz/hellaswag")
     print(f"hellaswag: {n} examples | acc {acc / n:.4f} | acc_norm {acc_norm / n:.4f}")
     return acc / n, acc_norm / n
 
@@ -1258,17 +1312,23 @@ def sample(argv, load_model=None, prog="gpt2.py sample", init_help="gpt2..., a H
     e.g. moe_ep.py's MoE GPT-2, passes its own loader); default: load_for_inference."""
     p = argparse.ArgumentParser(prog=prog, description="Sample text from a model.")
     p.add_argument("--init-from", default="out/model.pt", help=init_help)
-    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("--prompt", default="\n", help="text to continue ('' = from <|endoftext|>, unconditional)")
     p.add_argument("--num-samples", type=int, default=3, help="how many continuations")
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens per continuation")
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0 = all)")
     p.add_argument("--seed", type=int, default=42, help="sampling seed")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     a = p.parse_args(argv)
+    check_device(a.device)
+    check_range(a.temperature, "--temperature", 0, todo="give 0 (greedy) or a positive temperature, e.g. 0.8")
+    check_range(a.top_k, "--top-k", 0, todo="give 0 (all tokens) or a positive k, e.g. 50")
+    check_range(a.num_samples, "--num-samples", 1, todo="give a positive number of samples")
+    check_range(a.max_new_tokens, "--max-new-tokens", 1, todo="give a positive number of tokens")
     torch.manual_seed(a.seed)
     model, enc = (load_model or load_for_inference)(a.init_from, torch.device(a.device)), get_tokenizer()
-    idx = torch.tensor([enc.encode(a.prompt, allowed_special={"<|endoftext|>"})] * a.num_samples, device=a.device)
+    prompt = enc.encode(a.prompt, allowed_special={"<|endoftext|>"}) or [EOT]  # '' starts from <|endoftext|>
+    idx = torch.tensor([prompt] * a.num_samples, device=a.device)
     for row in generate(model, idx, a.max_new_tokens, a.temperature, a.top_k).tolist():
         print(enc.decode(row), "\n" + "-" * 40)
 
@@ -1302,10 +1362,6 @@ def export(argv):
     except OSError as e:
         fail(f"cannot write {a.out} ({e.strerror})", "--out", "choose a directory you can write")
     print(f"exported {a.init_from} ({cfg.n_layer} layers, {cfg.n_embd} wide) -> {a.out}/model.safetensors, config.json")
-
-
-# ----------------------------------------------------------------------------------------------------
-# 6. Command line
 
 
 if __name__ == "__main__":

@@ -134,6 +134,99 @@ def test_bad_input_is_one_line_before_any_collective(case, random_data, tmp_path
     assert not os.path.exists(tmp_path / f"out_{case[0]}" / "metrics.jsonl")  # nothing half-written
 
 
+# The other subcommands of gpt2.py (issue 25): (command, argv, text the one line must contain). {tmp} holds
+# tiny.pt (a 1-layer model.pt), moe.pt (a model.pt in moe_ep.py's layout) and the files named below.
+SUBCOMMAND_CASES = [
+    ("sample", ["--init-from", "{tmp}/tiny.pt", "--temperature", "-1"], "(--temperature)"),
+    ("sample", ["--init-from", "{tmp}/tiny.pt", "--num-samples", "0"], "(--num-samples)"),
+    ("sample", ["--init-from", "{tmp}/tiny.pt", "--top-k", "-1"], "(--top-k)"),
+    ("sample", ["--init-from", "{tmp}/tiny.pt", "--max-new-tokens", "0"], "(--max-new-tokens)"),
+    ("sample", ["--init-from", "{tmp}/tiny.pt", "--device", "cuda"], "(--device)"),
+    ("sample", ["--init-from", "{tmp}/moe.pt"], "python moe_ep.py sample --init-from"),
+    ("export", ["--init-from", "{tmp}/moe.pt", "--out", "{tmp}/hf"], "python moe_ep.py sample --init-from"),
+    ("hellaswag", ["--init-from", "{tmp}/tiny.pt", "--file", "{tmp}/empty.txt"], "no examples in the file"),
+    ("hellaswag", ["--init-from", "{tmp}/tiny.pt", "--file", "{tmp}/malformed.jsonl"], "line 2 is not a HellaSwag example"),
+    ("prepare", ["--text", "{tmp}/missing.txt", "--out", "{tmp}/p"], "(--text)"),
+    ("prepare", ["--text", "{tmp}/binary.bin", "--out", "{tmp}/p"], "not UTF-8 text"),
+    ("prepare", ["--text", "{tmp}/empty.txt", "--out", "{tmp}/p"], "the file holds no text"),
+    ("prepare", ["--text", "{tmp}/good.txt", "--out", "{tmp}/a_file/p"], "(--out)"),
+    ("train", ["--init-from", "{tmp}/noconfig", *SMALL], "has no config.json"),
+    ("train", ["--init-from", "{tmp}/badconfig", *SMALL], "config.json is not a GPT-2 config"),
+]
+
+
+def prepare_subcommand_tmp(tmp):
+    prepare_tmp(tmp)
+    torch = gpt2.torch
+    torch.manual_seed(0)
+    cfg = gpt2.GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)
+    gpt2.save_model(str(tmp / "tiny.pt"), cfg, gpt2.GPT(cfg).state_dict())
+    torch.save({"config": cfg.__dict__, "moe": {"experts": 4, "top_k": 2}, "model": {}}, tmp / "moe.pt")
+    (tmp / "empty.txt").write_text("")
+    ok = '{"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 0}'
+    (tmp / "malformed.jsonl").write_text(ok + "\n" + '{"ctx": "cut short' + "\n")
+    (tmp / "binary.bin").write_bytes(bytes(range(128, 256)))
+    (tmp / "good.txt").write_text("To be, or not to be: that is the question.\n" * 20)
+    (tmp / "noconfig").mkdir()
+    (tmp / "badconfig").mkdir()
+    (tmp / "badconfig" / "config.json").write_text('{"n_layer": "twelve"}')
+
+
+@pytest.mark.parametrize("case", SUBCOMMAND_CASES, ids=[f"{c[0]} {' '.join(c[1])}" for c in SUBCOMMAND_CASES])
+def test_subcommand_bad_input_is_one_line(case, random_data, tmp_path, monkeypatch):
+    prepare_subcommand_tmp(tmp_path)
+    command, argv, text = case
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    if command == "train":
+        argv += ["--data", random_data, "--out", str(tmp_path / "out")]
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    err, out = io.StringIO(), io.StringIO()
+    with redirect_stderr(err), redirect_stdout(out), pytest.raises(SystemExit) as e:
+        gpt2.run_main(getattr(gpt2, command), argv)
+    lines = err.getvalue().strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1, (e.value.code, err.getvalue())
+    assert lines[0].startswith("error: ") and text in lines[0] and "): " in lines[0], lines[0]
+    assert not (tmp_path / "p").exists() and not (tmp_path / "hf").exists() and not (tmp_path / "out").exists()
+
+
+def test_sample_greedy_and_empty_prompt(tmp_path, capsys):
+    """--temperature 0 is greedy (the same text whatever the seed); an empty prompt starts from <|endoftext|>."""
+    prepare_subcommand_tmp(tmp_path)
+    texts = []
+    for seed in ("1", "2"):
+        gpt2.sample(["--init-from", str(tmp_path / "tiny.pt"), "--temperature", "0", "--seed", seed,
+                     "--num-samples", "2", "--max-new-tokens", "8", "--device", "cpu"])
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].count("-" * 40) == 2
+    gpt2.sample(["--init-from", str(tmp_path / "tiny.pt"), "--prompt", "", "--num-samples", "1",
+                 "--max-new-tokens", "4", "--device", "cpu"])
+    assert capsys.readouterr().out.startswith("<|endoftext|>")
+
+
+def test_a_refused_run_leaves_no_directory(random_data, tmp_path):
+    """A run refused after setup (no data) removes the --out directories it created, parents included."""
+    err = io.StringIO()
+    with redirect_stderr(err), redirect_stdout(io.StringIO()), pytest.raises(SystemExit):
+        gpt2.run_main(gpt2.train, [*SMALL, "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "new" / "out")])
+    assert "(--data)" in err.getvalue() and not (tmp_path / "new").exists()
+
+
+def test_ctrl_c_is_one_line_and_exit_130(random_data, tmp_path):
+    out = tmp_path / "out"
+    run = _start_training(out, random_data)
+    try:
+        _wait_for(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2,
+                  90, "two steps")
+        run.send_signal(signal.SIGINT)
+        _, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 130, err
+    assert err.count("\n") == 1 and err.startswith("interrupted after step ") and "Traceback" not in err, err
+    assert not (out / "LOCK").exists()
+
+
 def test_error_is_printed_once_by_torchrun_and_without_traceback(random_data, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "ddp.py", *SMALL, "--data", random_data, "--out", str(tmp_path), "--lr", "0"]

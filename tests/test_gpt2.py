@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gpt2
-from harness import ROOT, read_metrics, run_cli
+from harness import ROOT, read_metrics, run_cli, run_distributed
 
 TINY = gpt2.GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
 
@@ -114,7 +114,7 @@ def test_from_pretrained_hf_layout_matches_reference(tmp_path, fmt):
         write_safetensors(tmp_path / "model.safetensors", {k: v for k, v in sd.items() if k != "lm_head.weight"})
     else:
         torch.save(sd, tmp_path / "pytorch_model.bin")
-    model = gpt2.GPT.from_pretrained(str(tmp_path)).eval()
+    model = gpt2.from_pretrained(str(tmp_path)).eval()
     idx = np.random.default_rng(0).integers(0, 50257, 20)
     with torch.no_grad():
         ours = model.logits(model.forward_blocks(model.embed(torch.tensor(idx)[None])))[0, :, :50257]
@@ -293,7 +293,7 @@ def test_export_roundtrip_gives_identical_logits(tmp_path):
     sd = gpt2.load_safetensors(str(tmp_path / "hf" / "model.safetensors"))
     assert sd["wte.weight"].shape == (50257, 32) and sd["h.0.mlp.c_fc.weight"].shape == (32, 128)  # Conv1D (in, out)
     assert "lm_head.weight" not in sd
-    back = gpt2.GPT.from_pretrained(str(tmp_path / "hf")).eval()
+    back = gpt2.from_pretrained(str(tmp_path / "hf")).eval()
     idx = torch.randint(0, 50257, (2, 64))
     with torch.no_grad():
         assert torch.equal(m(idx)[0][..., :50257], back(idx)[0][..., :50257])
@@ -325,7 +325,7 @@ def test_corrupt_weights_name_the_file(tmp_path):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])  # truncated
     with pytest.raises(gpt2.UsageError, match=r"model.safetensors\): it is truncated or corrupt"):
-        gpt2.GPT.from_pretrained(str(tmp_path / "hf"))
+        gpt2.from_pretrained(str(tmp_path / "hf"))
     path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())  # random
     with pytest.raises(gpt2.UsageError, match="not a readable safetensors file"):
         gpt2.load_safetensors(str(path))
@@ -340,9 +340,10 @@ def _val_tokens_read(data, world, batch, val_tokens):
     rows = {}
     for rank in range(world):
         _, val = gpt2.make_loaders(args, rank, world)
-        rows[rank] = [val.next_batch()[0] for _ in range(args.eval_steps)]
+        rows[rank] = [val.next_batch()[0] for _ in range(val.eval_steps)]
+    assert args.eval_steps == 10  # make_loaders leaves the flags as they were given
     # the global order: step by step, rank by rank
-    return torch.cat([rows[r][s] for s in range(args.eval_steps) for r in range(world)]).flatten()
+    return torch.cat([rows[r][s] for s in range(val.eval_steps) for r in range(world)]).flatten()
 
 
 def test_val_tokens_are_the_same_tokens_for_any_world_and_batch(random_data):
@@ -370,3 +371,63 @@ def test_gpu_check_refuses_in_one_line_without_cuda():
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert proc.stdout.count("\n") == 1 and "no CUDA device here" in proc.stdout
+
+
+def test_a_diverged_last_update_is_never_saved(random_data, tmp_path, monkeypatch, capsys):
+    """The loss is computed before the update, so the last update is checked on the weights themselves:
+    one line, exit 2, no model.pt (issue 25: 43 of 53 tensors of a saved model.pt were NaN)."""
+    make_adamw = gpt2.make_adamw
+
+    def poisoned_adamw(params, args, device):
+        opt = make_adamw(params, args, device)
+        step, calls = opt.step, []
+
+        def last_step_diverges(*a, **k):
+            out = step(*a, **k)
+            calls.append(1)
+            if len(calls) == args.steps:
+                with torch.no_grad():
+                    opt.param_groups[0]["params"][0][0, 0] = float("nan")
+            return out
+        opt.step = last_step_diverges
+        return opt
+    monkeypatch.setattr(gpt2, "make_adamw", poisoned_adamw)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        gpt2.run_main(gpt2.train, ["--model", "tiny", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+                                   "--seq-len", "16", "--batch-size", "2", "--steps", "2", "--eval-every", "0",
+                                   "--data", random_data, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: the weights are not finite after step 1 (1 of ") and "(--lr): nothing was saved" in err
+    assert not (out / "model.pt").exists() and (out / "metrics.jsonl").exists()
+
+
+def _prepare_default_data(rank, world, cwd, offline):
+    """make_loaders on the default --data with nothing prepared: rank 0 prepares for all, or fails for all."""
+    os.makedirs(cwd, exist_ok=True)
+    os.chdir(cwd)
+    calls = []
+
+    def prepare(argv):
+        calls.append(argv)
+        if offline:
+            gpt2.fail("could not download input.txt (offline)", "data/shakespeare/input.txt", "pass --text")
+        import time
+        time.sleep(1)  # a slow download: the other rank must wait for it, not read a half-made directory
+        rng = np.random.default_rng(0)
+        gpt2.write_shard("data/shakespeare/train_000000.bin", rng.integers(0, 50257, 5000))
+        gpt2.write_shard("data/shakespeare/val_000000.bin", rng.integers(0, 50257, 1000))
+    gpt2.prepare = prepare
+    args = gpt2.make_parser("t").parse_args(["--batch-size", "2", "--seq-len", "16"])
+    try:
+        train, _ = gpt2.make_loaders(args, rank, world)
+    except gpt2.UsageError as e:
+        return len(calls), str(e)
+    return len(calls), len(train.tokens)
+
+
+def test_default_data_is_prepared_by_rank_0_alone(tmp_path):
+    assert run_distributed(_prepare_default_data, 2, str(tmp_path / "a"), False) == [(1, 5000), (0, 5000)]
+    (rank0, msg0), (rank1, msg1) = run_distributed(_prepare_default_data, 2, str(tmp_path / "b"), True)
+    assert (rank0, rank1) == (1, 0) and "offline" in msg0 and "rank 0 could not prepare data/shakespeare" in msg1
