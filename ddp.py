@@ -53,7 +53,7 @@ Launch (same flags as `python gpt2.py train`; --batch-size is per rank):
     python gpt2.py prepare shakespeare
     torchrun --nproc_per_node=2 ddp.py --device cpu              # CPU, gloo
     torchrun --nproc_per_node=8 ddp.py --model gpt2 --data data/fineweb10B --seq-len 1024 --batch-size 16 \
-        --grad-accum 4 --lr 6e-4 --warmup 700 --steps 19000 --compile       # 0.5M tokens/step, as GPT-2
+        --grad-accum 4 --lr 6e-4 --warmup 700 --steps 19073 --compile       # 0.5M tokens/step, as GPT-2
     torchrun --nproc_per_node=8 ddp.py ... --zero 1              # AdamW state / N   (--zero1 is the same)
     torchrun --nproc_per_node=8 ddp.py ... --zero 2              # and gradients / N
     python gpt2.py sample --init-from out/model.pt
@@ -198,6 +198,7 @@ class DataParallel(nn.Module):
             else:
                 b.shard_grads = self.track(torch.zeros(b.slice_numel, dtype=b.dtype, device=b.device))
         self.sync, self.next_bucket = True, 0
+        self.in_flight, self.blocked_s = 2, 0.0  # ZeRO-2: reduce-scatters allowed in flight; seconds waited on them
         self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
 
     def forward(self, *args, **kwargs):
@@ -295,8 +296,10 @@ class DataParallel(nn.Module):
         while self.next_bucket < len(self.buckets) and all(self.buckets[self.next_bucket].ready):
             k = self.next_bucket
             b = self.buckets[k]
-            if self.zero == 2 and k > 0:
-                self._settle(self.buckets[k - 1], k - 1)  # one bucket reducing while the next one fills
+            if self.zero == 2 and k >= self.in_flight:  # keep in_flight buckets reducing while the next fills
+                t0 = time.perf_counter()
+                self._settle(self.buckets[k - self.in_flight], k - self.in_flight)
+                self.blocked_s += time.perf_counter() - t0  # backward waits here (bench_ddp.py prints it)
             if self.world > 1 and self.zero:
                 # in place: slice r of the buffer receives the mean of slice r over the ranks
                 S = b.slice_numel
@@ -376,7 +379,12 @@ class DataParallel(nn.Module):
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
 
     def close(self):
-        """Remove the hooks (the module trains alone again)."""
+        """Wait for any collective still in flight (none is left pending at interpreter exit), then remove
+        the hooks (the module trains alone again)."""
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
         for h in self.hooks:
             h.remove()
         for p in self.params:
@@ -394,6 +402,12 @@ class Shard:
 
     def __init__(self, param, bucket, index, lo, hi, tensor):
         self.param, self.bucket, self.index, self.lo, self.hi, self.tensor = param, bucket, index, lo, hi, tensor
+
+
+# torch's optimizers whose update of an element reads only that element's gradient and state (and scalars)
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+               torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop,
+               torch.optim.ASGD)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -415,9 +429,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     an element depends on that element's history alone, so slice r of the update is the update of slice
     r. A per-matrix rule such as Muon (Newton-Schulz orthogonalizes the whole 2-D update) needs every
     element of a matrix on one rank: it must shard whole parameters (rank r owns matrices, not slices)
-    and gather whole updated matrices; a flat slice cuts matrices in pieces and would change the math."""
+    and gather whole updated matrices; a flat slice cuts matrices in pieces and would change the math.
+    So does Adafactor (row and column statistics of a matrix: 7.1e-3 off in 3 steps on 2 ranks): any
+    optimizer outside ELEMENTWISE is refused in one line unless elementwise=True says it is one."""
 
-    def __init__(self, params, optimizer_cls, layout=None, bucket_mb=25.0, meter=None, **kwargs):
+    def __init__(self, params, optimizer_cls, layout=None, bucket_mb=25.0, meter=None, elementwise=False, **kwargs):
         groups = list(params)
         if not groups:
             raise ValueError("ShardedOptimizer: empty parameter list")
@@ -456,6 +472,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             mine = [t for p in g["params"] if id(p) not in seen and not seen.add(id(p)) for t in pieces.get(id(p), [])]
             inner.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine})
         self.optimizer = optimizer_cls(inner, **kwargs)
+        if not (elementwise or isinstance(self.optimizer, ELEMENTWISE)):  # e.g. Adafactor factors a matrix's rows
+            name = type(self.optimizer).__name__
+            gpt2.fail(f"ShardedOptimizer cannot shard {name}: flat slices are exact only for element-wise "
+                      f"optimizers ({', '.join(c.__name__ for c in ELEMENTWISE)})", "optimizer_cls",
+                      f"use one of those, or pass elementwise=True if {name}'s update of an element reads that "
+                      f"element alone")
         super().__init__(every, self.optimizer.defaults)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
 
@@ -594,8 +616,9 @@ def train(args, world, rank):
             metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             ddp.train()
     ddp.close()
+    gpt2.check_finite_weights(list(model.parameters()), args.steps - 1, ctx.device)  # every rank: a collective
     if ctx.master:
-        torch.save({"config": cfg.__dict__, "model": model.state_dict()}, os.path.join(args.out, "model.pt"))
+        gpt2.save_model(os.path.join(args.out, "model.pt"), cfg, model.state_dict())
     metrics.plot()
     print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
     report(args, world, ddp, opt, comm, ctx.device)
@@ -603,9 +626,10 @@ def train(args, world, rank):
         batch = train_loader.next_batch()
         t_buckets, t_one = measure_overlap(model, loss_fn, batch, args.bucket_mb, args.overlap_steps, ctx.device)
         print0(f"overlap: forward+backward+sync {t_buckets * 1e3:.1f} ms with {args.bucket_mb:g} MB buckets vs "
-               f"{t_one * 1e3:.1f} ms with one bucket after backward ({t_one / t_buckets:.2f}x)")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+               f"{t_one * 1e3:.1f} ms with one bucket after backward ({t_one / t_buckets:.2f}x)"
+               + (" | CPU: gloo's threads share the cores with backward, so buckets may not pay (on GPU NCCL "
+                  "runs on its own stream and SMs)" if ctx.device.type == "cpu" else ""))
+    # gpt2.run_main destroys the process group: every collective has been waited for and every hook removed
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -619,14 +643,16 @@ def optimizer_state_mb(opt):
 def memory_per_rank(ddp, opt):
     """Persistent bytes per rank, measured from the tensors our classes allocated, beside the closed form
     (fp32, AdamW; P = parameters, N = ranks): params 4P; grads 4P (plain, ZeRO-1) or 4P/N + the largest
-    bucket (ZeRO-2: the buffer of a bucket being reduced); AdamW 8P (plain) or 8P/N (ZeRO-1/2).
+    in_flight + 1 consecutive buckets (ZeRO-2: in_flight buckets reducing when the next one completes);
+    AdamW 8P (plain) or 8P/N (ZeRO-1/2).
     grads is the PEAK of the gradient buffers over the run (live_grad_bytes, and autograd's own
     gradient while it is copied into its bucket)."""
     n, world = sum(p.numel() for p in ddp.params), ddp.world
     weights = ddp.optimizer.buckets if ddp.zero else None
     measured = {"params": (sum(b.nbytes() for b in weights) if weights else 4 * n) / 1e6,
                 "grads": ddp.peak_grad_bytes / 1e6, "optim": optimizer_state_mb(opt)}
-    largest = max(b.nbytes() for b in ddp.buckets)
+    sizes, w = [b.nbytes() for b in ddp.buckets], ddp.in_flight + 1
+    largest = max(sum(sizes[max(0, k - w + 1): k + 1]) for k in range(len(sizes)))
     closed = {"params": 4 * n / 1e6, "grads": (4 * n if ddp.zero < 2 else 4 * n / world + largest) / 1e6,
               "optim": (8 * n / (world if ddp.zero else 1)) / 1e6}
     return measured, closed
@@ -675,11 +701,9 @@ def measure_overlap(model, loss_fn, batch, bucket_mb, steps, device):
 def validate(args, world):
     """Everything that would otherwise fail inside a collective, checked before the first one."""
     gpt2.check_args(args)  # the shared checks (sizes, --lr, --device, --model), then this file's own
-    if not args.bucket_mb >= 0:
-        gpt2.fail(f"--bucket-mb is {args.bucket_mb}", "--bucket-mb",
-                  "give 0 (one bucket per parameter) or a positive size in MB (25 is the default)")
-    if args.overlap_steps < 0:
-        gpt2.fail(f"--overlap-steps is {args.overlap_steps}", "--overlap-steps", "give 0 or a positive integer")
+    gpt2.check_range(args.bucket_mb, "--bucket-mb", 0, 1e6, "give 0 (one bucket per parameter) or a size in MB "
+                     "(25 is the default; larger than the model: one bucket)")
+    gpt2.check_range(args.overlap_steps, "--overlap-steps", 0, 1000, "give 0 (skip) or a few steps, e.g. 5")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if use_cuda and local_world > torch.cuda.device_count():
@@ -690,7 +714,7 @@ def validate(args, world):
 def main(argv=None):
     p = gpt2.make_parser("Train GPT-2 data-parallel: torchrun --nproc_per_node=N ddp.py (flags of gpt2.py train).")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (one collective each; "
-                                                                 "0 = one bucket per parameter, inf = one bucket)")
+                                                                 "0 = one bucket per parameter, 1e6 = one bucket)")
     p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
                    help="ZeRO stage: 1 shards AdamW's state over the ranks, 2 also the gradients")
     p.add_argument("--zero1", dest="zero", action="store_const", const=1, help="the same as --zero 1")
