@@ -149,7 +149,7 @@ def main():
 
     for v in variants.values():  # warm up (allocations, thread pools)
         step(v, batches[0])
-        if v["dp"] is not None:
+        if isinstance(v["dp"], ddp.ZeRO2DataParallel):
             v["dp"].blocked_s = 0.0
     for _ in range(args.rounds):
         for v in variants.values():
