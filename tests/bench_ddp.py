@@ -58,11 +58,10 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
     for zero in (0, 1, 2):
         model = gpt2.GPT(cfg)
         meter = gpt2.CommMeter()
-        dp = ddp.DataParallel(model, 25.0, zero, meter)
+        dp = (ddp.DataParallel, ddp.ZeRO1DataParallel, ddp.ZeRO2DataParallel)[zero](model, 25.0, meter)
         P = sum(p.numel() for p in dp.params)
         groups = gpt2.optimizer_groups(model, args.weight_decay)
-        opt = dp.sharded_optimizer(groups, lambda g: gpt2.make_adamw(g, args, torch.device("cpu"))) if zero \
-            else gpt2.make_adamw(groups, args, torch.device("cpu"))
+        opt = dp.make_optimizer(groups, lambda g: gpt2.make_adamw(g, args, torch.device("cpu")))
         meter.take_mb()  # the start-up broadcast is not a step
         idx = torch.randint(0, cfg.vocab_size, (1, 32))
         dp(idx, idx)[1].backward()
@@ -112,7 +111,9 @@ def main():
     batches = [torch.randint(0, 50257, (args.batch_size, args.seq_len + 1), generator=g) for _ in range(args.steps)]
 
     variants = {}
-    for name in ("torch DDP", "ours", "ours, one bucket after backward", "ours + ZeRO-1", "ours + ZeRO-2"):
+    names = ("torch DDP", "ours", "ours, one bucket after backward", "ours + ZeRO-1", "ours + ZeRO-2",
+             "ours + ZeRO-2, 1 bucket in flight", "ours + ZeRO-2, one bucket after backward")
+    for name in names:
         model = gpt2.build_model(args).to(ctx.device)
         meter = gpt2.CommMeter()
         if name == "torch DDP":
@@ -120,11 +121,14 @@ def main():
             opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
             dp = None
         else:
-            mb = None if "one bucket" in name else args.bucket_mb
-            dp = ddp.DataParallel(model, mb, zero=int(name[-1]) if "ZeRO" in name else 0, meter=meter)
-            groups = gpt2.optimizer_groups(model, args.weight_decay)
-            opt = dp.sharded_optimizer(groups, lambda g: gpt2.make_adamw(g, args, ctx.device)) if dp.zero \
-                else gpt2.make_adamw(groups, args, ctx.device)
+            mb = None if "one bucket after" in name else args.bucket_mb
+            wrapper = ddp.ZeRO2DataParallel if "ZeRO-2" in name else ddp.ZeRO1DataParallel if "ZeRO-1" in name \
+                else ddp.DataParallel
+            dp = wrapper(model, mb, meter=meter)
+            if "1 bucket in flight" in name:
+                dp.in_flight = 1  # backward waits for the previous bucket's reduce-scatter
+            opt = dp.make_optimizer(gpt2.optimizer_groups(model, args.weight_decay),
+                                    lambda g: gpt2.make_adamw(g, args, ctx.device))
             fwd = dp
         variants[name] = dict(model=model, fwd=fwd, opt=opt, dp=dp, meter=meter, times=[])
     for v in variants.values():
@@ -145,6 +149,8 @@ def main():
 
     for v in variants.values():  # warm up (allocations, thread pools)
         step(v, batches[0])
+        if isinstance(v["dp"], ddp.ZeRO2DataParallel):
+            v["dp"].blocked_s = 0.0
     for _ in range(args.rounds):
         for v in variants.values():
             for b in batches:
@@ -162,14 +168,24 @@ def main():
     grad_mb = sum(q.numel() * q.element_size() for q in ref["model"].parameters()) / 1e6
     gpt2.print0(f"\n{ctx.world} ranks, {ctx.device} {ctx.dtype}, {dist.get_backend()} | model {args.model} "
                 f"n_layer {ref['model'].config.n_layer} n_embd {ref['model'].config.n_embd} | batch {args.batch_size}x"
-                f"{args.seq_len} per rank | buckets {args.bucket_mb:g} MB | {args.rounds}x{args.steps} timed steps each")
-    gpt2.print0(f"{'variant':34s} {'step ms':>9s} {'/ torch':>8s} {'MB/step':>9s} {'max |w - torch w|':>18s}")
+                f"{args.seq_len} per rank | buckets {args.bucket_mb:g} MB | {args.rounds}x{args.steps} timed steps "
+                f"each")
+    gpt2.print0(f"{'variant':40s} {'step ms':>9s} {'/ torch':>8s} {'MB/step':>9s} {'max |w - torch w|':>18s} "
+                f"{'blocked ms':>11s}")
     for name, v in variants.items():
         t = statistics.median(v["times"])
         mb = v["meter"].take_mb() / n_steps if v["dp"] is not None else 2 * (ctx.world - 1) / ctx.world * grad_mb
         diff = max((a - b).abs().max().item() for a, b in zip(v["model"].parameters(), ref["model"].parameters()))
-        gpt2.print0(f"{name:34s} {t * 1e3:9.1f} {t / t_ref:8.3f} {mb:9.2f} {diff:18.2e}")
-    gpt2.print0("(torch DDP's MB/step is the ring minimum 2(N-1)/N x gradient bytes, which it sends)")
+        blocked = f"{v['dp'].blocked_s / (args.rounds * args.steps) * 1e3:11.1f}" if hasattr(v["dp"], "blocked_s") \
+            else f"{'':11s}"
+        gpt2.print0(f"{name:40s} {t * 1e3:9.1f} {t / t_ref:8.3f} {mb:9.2f} {diff:18.2e} {blocked}")
+    med = {name: statistics.median(v["times"]) for name, v in variants.items()}
+    gpt2.print0(f"overlap (step with one bucket after backward / with buckets): plain "
+                f"{med['ours, one bucket after backward'] / med['ours']:.2f}x | ZeRO-2, 2 buckets in flight "
+                f"{med['ours + ZeRO-2, one bucket after backward'] / med['ours + ZeRO-2']:.2f}x, 1 in flight "
+                f"{med['ours + ZeRO-2, one bucket after backward'] / med['ours + ZeRO-2, 1 bucket in flight']:.2f}x")
+    gpt2.print0("(torch DDP's MB/step is the ring minimum 2(N-1)/N x gradient bytes, which it sends; blocked ms: "
+                "time per step backward waited on an earlier bucket's reduce-scatter, ZeRO-2 only)")
     dist.destroy_process_group()
 
 

@@ -68,6 +68,10 @@ CASES += [  # gpt2
 ]
 
 CASES += [  # ddp
+    ("ddp", ["--bucket-mb", "inf"], {}, "(--bucket-mb)"),
+    ("ddp", ["--bucket-mb", "2e6"], {}, "(--bucket-mb)"),
+    ("ddp", ["--overlap-steps", "-1"], {}, "(--overlap-steps)"),
+    ("ddp", ["--bucket-mb", "1", "--lr", "nan"], W2, "(--lr)"),
 ]
 
 CASES += [  # fsdp2

@@ -42,6 +42,9 @@ def test_two_ranks_match_one_process(random_data, baseline, tmp_path):
     out = str(tmp_path / "ddp")
     proc = run_cli(["ddp.py"] + CFG + ["--data", random_data, "--steps", "12", "--batch-size", "4",
                                        "--bucket-mb", "2", "--overlap-steps", "2", "--out", out], nproc=2)
+    # what holds (issue 24): the first steps agree to ~1e-7 (fp32, only the summation order differs), and
+    # the difference compounds with the steps (8.6e-6 after 200 steps on Shakespeare), so the curve is within 1e-5
+    assert max_rel_diff(train_losses(out)[:3], train_losses(baseline)[:3]) <= 3e-7
     assert max_rel_diff(train_losses(out), train_losses(baseline)) <= 1e-5
     assert max_rel_diff(val_losses(out), val_losses(baseline)) <= 1e-5 and len(val_losses(out)) == 2
     recs = [r for r in read_metrics(out) if "loss" in r]
@@ -68,8 +71,8 @@ def test_zero2_with_grad_accum_matches_one_process(random_data, baseline, tmp_pa
     g = gradient_mb()
     closed = (2 + 1) * (2 - 1) / 2 * g  # a reduce-scatter per micro-step (no no_sync in ZeRO-2) + one all-gather
     assert len(recs) == 12 and all(abs(r["comm_mb"] - closed) <= 0.02 * closed for r in recs), recs[0]["comm_mb"]
-    # gradients: 4P/N kept + the bucket being reduced (the largest: wte, 50304 x 32 fp32, alone) + the one
-    # before it still in flight; plain and ZeRO-1 keep 4P
+    # gradients: 4P/N kept + the bucket being reduced (the largest: wte, 50304 x 32 fp32, alone) + the two
+    # before it still in flight (small here); plain and ZeRO-1 keep 4P
     wte = 4 * 50304 * 32 / 1e6
     assert g / 2 + wte <= recs[0]["grad_peak_mb"] <= g / 2 + wte + 0.05 * g, (recs[0]["grad_peak_mb"], g)
     assert abs(recs[0]["opt_state_mb"] - g) <= 0.05 * g
@@ -79,13 +82,14 @@ def test_zero2_with_grad_accum_matches_one_process(random_data, baseline, tmp_pa
 def test_zero1_bf16_with_grad_accum_near_gpt2_bf16(random_data, tmp_path):
     # bf16 autocast, fp32 master weights and gradients: 2 ranks x 2 rows x 2 micro-steps, so the matmuls
     # see 2 rows instead of 8 and the bf16 rounding may differ a little from one process (measured 7.0e-7
-    # relative over 3 steps; 5e-5 allowed). --zero1 is the alias of --zero 1, the fused reduce-scatter path.
+    # relative over 3 steps; 5e-5 allowed). --zero 1: ZeRO1DataParallel, the fused reduce-scatter path.
     base = str(tmp_path / "base16")
     gpt2.train(CFG + ["--data", random_data, "--batch-size", "8", "--steps", "3", "--eval-every", "0",
                       "--dtype", "bfloat16", "--out", base])
     out = str(tmp_path / "zero1")
     proc = run_cli(["ddp.py"] + CFG + ["--data", random_data, "--steps", "3", "--batch-size", "2", "--grad-accum", "2",
-                                       "--eval-every", "0", "--dtype", "bfloat16", "--zero1", "--overlap-steps", "0",
+                                       "--eval-every", "0", "--dtype", "bfloat16", "--zero", "1",
+                                       "--overlap-steps", "0",
                                        "--out", out], nproc=2)
     assert max_rel_diff(train_losses(out), train_losses(base)) <= 5e-5
     recs = [r for r in read_metrics(out) if "loss" in r]
@@ -93,13 +97,13 @@ def test_zero1_bf16_with_grad_accum_near_gpt2_bf16(random_data, tmp_path):
     # reduce-scatter + all-gather = one all-reduce, and no_sync keeps it to one per step, not per micro-step
     assert len(recs) == 3 and all(abs(r["comm_mb"] - ring) <= 0.1 * ring for r in recs), (recs[0]["comm_mb"], ring)
     assert abs(recs[0]["opt_state_mb"] - gradient_mb()) <= 0.05 * gradient_mb()  # half the replicated state
-    assert "| ZeRO-1 |" in proc.stdout
+    assert "| ZeRO1DataParallel |" in proc.stdout
 
 
 def test_one_process_and_bad_input(random_data, baseline, tmp_path, monkeypatch):
     # without torchrun ddp.py is the single-process trainer (world 1: no collective at all); the first
     # 3 steps lie in the warmup, so their learning rates do not depend on --steps
-    ddp.main(CFG + ["--data", random_data, "--steps", "3", "--batch-size", "8", "--eval-every", "0", "--zero1",
+    ddp.main(CFG + ["--data", random_data, "--steps", "3", "--batch-size", "8", "--eval-every", "0", "--zero", "1",
                     "--out", str(tmp_path / "one")])
     assert max_rel_diff(train_losses(str(tmp_path / "one")), train_losses(baseline)[:3]) <= 1e-5
     # --compile (block by block, hooks and buckets around it) equals eager at steps 0-2 (measured: bitwise)
@@ -115,6 +119,41 @@ def test_one_process_and_bad_input(random_data, baseline, tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="fewer than one global batch"):
         ddp.main(base + ["--batch-size", "700"])  # 2 x 700 x 16 > the 20k-token shard
     assert not dist.is_initialized()
+
+
+def test_weights_not_finite_after_the_last_update_save_nothing(random_data, tmp_path, capsys):
+    # step 0's loss is computed before the update (finite); AdamW's decoupled decay, times (1 - lr * wd) = -1e41,
+    # then overflows fp32 in the 2-D weights
+    out = tmp_path / "inf"
+    with pytest.raises(SystemExit) as e:
+        gpt2.run_main(ddp.main, CFG + ["--data", random_data, "--steps", "1", "--batch-size", "2", "--eval-every", "0",
+                                       "--lr", "1e37", "--weight-decay", "1e4", "--warmup", "0", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: the weights are not finite after step 0")
+    assert (out / "metrics.jsonl").exists() and not (out / "model.pt").exists()
+
+
+def test_sharded_optimizer_refuses_optimizers_that_are_not_elementwise():
+    def run(cls, sharded, **kw):  # one process: ShardedOptimizer flattens the matrices into 1-D pieces
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        opt = ddp.ShardedOptimizer(model.parameters(), cls, elementwise=True, **kw) if sharded \
+            else cls(model.parameters(), **kw)
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+        for _ in range(3):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    for cls, kw in ((torch.optim.AdamW, dict(lr=1e-2)), (torch.optim.SGD, dict(lr=0.1, momentum=0.9))):
+        assert (run(cls, True, **kw) - run(cls, False, **kw)).abs().max() <= 1e-7, cls
+    # why they are refused: Adafactor's row/column statistics of a matrix are not those of a flat piece
+    drift = (run(torch.optim.Adafactor, True, lr=1e-2) - run(torch.optim.Adafactor, False, lr=1e-2)).abs().max()
+    assert drift > 1e-4, drift
+    with pytest.raises(gpt2.UsageError, match=r"cannot shard Adafactor: .*\(SGD, Adam, AdamW, .*elementwise=True"):
+        ddp.ShardedOptimizer(nn.Linear(4, 4).parameters(), torch.optim.Adafactor, lr=1e-2)
+    ddp.ShardedOptimizer(nn.Linear(4, 4).parameters(), torch.optim.SGD, lr=1e-2)  # accepted without the flag
 
 
 # -- the building blocks on a toy model: vs one process and vs torch's DistributedDataParallel ----------
@@ -183,23 +222,23 @@ def train_reference(optim):
 
 
 def train_toy(rank, world, kind, bucket_mb=0.0004, optim="adamw"):
-    """kind: torch (DistributedDataParallel), plain / zero1 / zero2 (our DataParallel, zero1/2 with its
-    sharded_optimizer), sharded (our DataParallel + a ShardedOptimizer with its own layout), torch+sharded
-    (torch's DDP averages, our ShardedOptimizer steps)."""
+    """kind: torch (DistributedDataParallel), plain / zero1 / zero2 (our DataParallel, ZeRO1DataParallel,
+    ZeRO2DataParallel with its make_optimizer), sharded (our DataParallel + a ShardedOptimizer with its own
+    layout), torch+sharded (torch's DDP averages, our ShardedOptimizer steps)."""
     torch.manual_seed(rank)  # different on each rank: the broadcast from rank 0 must fix it
     model = Toy()
     if rank == 1:
         model.scale.fill_(2.0)
     trainable = [p for p in model.parameters() if p.requires_grad]
     cls, groups, kw = make_opt(optim, trainable)
-    zero = {"zero1": 1, "zero2": 2}.get(kind, 0)
     dp = None
     if kind.startswith("torch"):
         net = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     else:
-        net = dp = ddp.DataParallel(model, bucket_mb=bucket_mb, zero=zero)
-    if zero:
-        opt = dp.sharded_optimizer(groups, cls, **kw)
+        wrapper = {"zero1": ddp.ZeRO1DataParallel, "zero2": ddp.ZeRO2DataParallel}.get(kind, ddp.DataParallel)
+        net = dp = wrapper(model, bucket_mb=bucket_mb)
+    if kind.startswith("zero"):
+        opt = dp.make_optimizer(groups, cls, **kw)  # the ShardedOptimizer laid out on the buckets
     elif kind.endswith("sharded"):
         opt = ddp.ShardedOptimizer(groups, cls, bucket_mb=0.0002, **kw)  # a layout unlike the buckets
     else:
@@ -208,9 +247,10 @@ def train_toy(rank, world, kind, bucket_mb=0.0004, optim="adamw"):
     for step in range(STEPS):
         for micro in range(ACCUM):
             last = micro == ACCUM - 1
-            with net.no_sync() if not last and zero < 2 else contextlib.nullcontext():
+            # ZeRO-2's no_sync cannot skip the sync: it reduce-scatters each micro-step, finishing on exit
+            with net.no_sync() if not last else contextlib.nullcontext():
                 toy_loss(net, data[step][micro], rank).backward()
-            if dp is not None and (last or zero == 2):
+            if dp is not None and last:
                 dp.finish_grad_sync()
         if isinstance(opt, ddp.ShardedOptimizer):
             opt.clip_grad_norm_(0.05)
