@@ -1,6 +1,8 @@
 """
 fsdp2.py - Fully Sharded Data Parallel (FSDP2 / ZeRO-3, and HSDP) for GPT-2 or any module, written
-from all_gather and reduce_scatter, so you can see exactly what torch.distributed.fsdp.fully_shard does.
+from all_gather and reduce_scatter: a faithful simplification of torch.distributed.fsdp.fully_shard
+(the same dim-0 slices, units, prefetch order and numbers; plain tensors instead of DTensor, and no
+separate CUDA streams: copies run on the compute stream, collectives on the backend's own).
 
 The idea: data parallelism keeps a full copy of the weights, the gradients and AdamW's two moments on
 every rank: 16 bytes per parameter (fp32), 2 GB for GPT-2 124M, 25 GB for 1.5B. FSDP cuts every
@@ -307,9 +309,10 @@ class FullyShardedModel:
         for i, module in enumerate(units):
             module.register_forward_pre_hook(partial(self._pre_forward, i))
             module.register_forward_hook(partial(self._post_forward, i))
-        self.pending_rs = None  # one reduce-scatter in flight at a time bounds the gradient memory
+        self.pending_rs = None  # at most two reduce-scatters in flight: a unit's is issued, then the previous waited
         self.in_backward = False  # a unit's forward in backward is a checkpoint's recomputation
         self.max_gathered_units = 0  # measured: how many units were ever gathered at once
+        self.max_reduces_in_flight = 0  # measured: 2 (the memory formula's two fp32 reduce buffers)
 
     def shards(self):
         return [s for u in self.all_units for s in u.shards]
@@ -367,8 +370,17 @@ class FullyShardedModel:
         unit.grads_ready = 0
         rs = unit.reduce_scatter_grads()
         unit.reshard()  # the full weights are no longer needed; the grads now live in rs's buffer
+        self.max_reduces_in_flight = max(self.max_reduces_in_flight, 1 + (self.pending_rs is not None))
         self.finish_reduce_scatter()  # wait for the previous unit's reduce-scatter, which ran meanwhile
         self.pending_rs = (unit, rs)
+
+    def wait(self):
+        """Wait for every collective still in flight: a prefetched gather nobody used, the last reduce-scatter."""
+        for unit in self.all_units:
+            if unit.gather_work is not None:
+                unit.gather_work.wait()
+                unit.gather_work = unit.gather_buf = None
+        self.finish_reduce_scatter()
 
     def finish_reduce_scatter(self):
         if self.pending_rs is not None:
@@ -488,9 +500,11 @@ def train(argv=None):
             metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
             comm.take_mb()  # the evaluation's gathers are not part of a training step
+    fsdp.wait()  # end with nothing in flight: no collective may outlive the run
+    gpt2.check_finite_weights(fsdp.shards(), args.steps - 1)  # every rank its slices, before anything is written
     state = fsdp.full_state_dict()
     if ctx.master:
-        torch.save({"config": cfg.__dict__, "model": state}, os.path.join(args.out, "model.pt"))
+        gpt2.save_model(os.path.join(args.out, "model.pt"), cfg, state)
     metrics.plot()
     print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
     return fsdp, opt
@@ -589,7 +603,7 @@ def report(fsdp, args, ctx, mem, step_comm_mb):
 
 def make_parser():
     p = gpt2.make_parser("Fully sharded data parallel (FSDP2 / ZeRO-3, HSDP) from all_gather and reduce_scatter.")
-    p.add_argument("--reshard-after-forward", type=int, default=1, choices=[0, 1],
+    p.add_argument("--reshard-after-forward", type=int, default=1,
                    help="1 = ZeRO-3: free each unit's gathered weights after its forward, gather again for "
                         "backward; 0 = FSDP's SHARD_GRAD_OP (ZeRO-2-like): keep them until the unit's backward "
                         "(less traffic, more memory; still gathered every micro-step, unlike the paper's ZeRO-2)")
@@ -609,7 +623,10 @@ def check(args):
     if world < 2:
         gpt2.fail("fsdp2.py shards over several ranks but runs alone", "WORLD_SIZE",
                   "launch it with torchrun --nproc_per_node=N (N >= 2); one process is gpt2.py train")
-    if args.replicate < 1 or world % args.replicate:
+    gpt2.check_range(args.reshard_after_forward, "--reshard-after-forward", 0, 1, "give 1 (ZeRO-3) or 0 (SHARD_GRAD_OP)")
+    gpt2.check_range(args.replicate, "--replicate", 1, todo=f"pick R >= 1 dividing {world} (each replica shards "
+                     f"over {world} / R ranks)")
+    if world % args.replicate:
         gpt2.fail(f"--replicate {args.replicate} does not divide the {world} ranks", "--replicate",
                   f"pick R >= 1 dividing {world} (each replica shards over {world} / R ranks)")
 

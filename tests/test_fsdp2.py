@@ -91,6 +91,7 @@ def ours_vs_fully_shard(rank, world, argv, reshard, other_mode_out=None):
         if other_mode_out:
             fsdp2.train(argv + ["--compile", "--steps", "3", "--out", out + "_compiled"])
         found["toy"] = toy_vs_one_process_and_fully_shard(rank, world)  # any module, in this process group
+        found["diverged"] = diverging_run(argv, out + "_diverged")
     if world == 4:  # HSDP: 2 replicas x 2 shards, against fully_shard on a 2 x 2 DeviceMesh
         hsdp, _ = fsdp2.train(argv + ["--replicate", "2", "--out", out + "_hsdp"])
         found["n_total"] = sum(math.prod(s) for u in hsdp.all_units for s in u.shapes)
@@ -105,9 +106,26 @@ def ours_vs_fully_shard(rank, world, argv, reshard, other_mode_out=None):
     return param_rel_diff(ours, theirs), ours_losses, their_losses, found
 
 
+def diverging_run(argv, out):
+    """A run whose last update makes the weights NaN (its losses are finite): every rank checks its own
+    slices before anything is written, and the run ends as bad input does, in one line on rank 0, exit 2,
+    no model.pt (in this process group: the check is collective, so the ranks stay in step)."""
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            gpt2.run_main(fsdp2.train, argv + ["--grad-clip", "0", "--lr", "1e8", "--warmup", "0", "--steps", "2",
+                                              "--out", out])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue(), os.path.exists(os.path.join(out, "model.pt"))
+
+
 def inspect_sharding(fsdp, opt):
     """The slices, the freeing of gathered weights, in both modes, on a trained FullyShardedGPT."""
-    res = {"max_gathered_trained": fsdp.max_gathered_units}
+    res = {"max_gathered_trained": fsdp.max_gathered_units, "max_reduces_in_flight": fsdp.max_reduces_in_flight}
     # 1. each rank persistently holds 1/world of every parameter (plus padding rows), and its AdamW
     #    state is exactly its slice: 2 fp32 tensors per slice
     res["n_total"] = sum(math.prod(s) for u in fsdp.all_units for s in u.shapes)
@@ -188,6 +206,11 @@ def test_both_modes_match_single_process_and_fully_shard_2_ranks(baseline, shake
     toy = r["toy"]
     assert toy["ours"] <= 1e-5 and toy["fully_shard"] <= 1e-5 and toy["trained"] > 1e-2, toy
     assert toy["ours_unused_kept"] and toy["one_unused_kept"]
+    # a diverged last update is refused before anything is written (the losses were finite)
+    code, err, saved = r["diverged"]
+    assert code == 2 and not saved and err.count("\n") == 1, (code, err, saved)
+    assert err.startswith("error: the weights are not finite after step 1 (") and "(--lr): nothing was saved" in err
+    assert r["max_reduces_in_flight"] == 2  # the memory formula's two fp32 reduce buffers
     # --compile (each Block's forward and the head compiled, hooks eager) = eager at steps 0-2
     compiled = train_losses(out + "_compiled")
     assert len(compiled) == 3 and max_rel_diff(compiled, train_losses(out3)[:3]) <= 1e-6, compiled
