@@ -42,8 +42,8 @@ from gpt2 import print0  # noqa: E402
 
 def build_ours(args, ctx):
     model = gpt2.build_model(args).to(ctx.device)
-    fsdp = fsdp2.shard_gpt(model, fsdp2.Mesh(args.replicate), args, gpt2.CommMeter(), ctx.dtype)
-    shards = fsdp.shards()
+    fsdp = fsdp2.shard_gpt(model, args, ctx.dtype)
+    shards = list(fsdp.parameters())
     opt = gpt2.make_adamw([{"params": [s for s in shards if s.dim() >= 2], "weight_decay": args.weight_decay},
                            {"params": [s for s in shards if s.dim() < 2], "weight_decay": 0.0}], args, ctx.device)
 
@@ -51,13 +51,12 @@ def build_ours(args, ctx):
         with ctx.autocast():
             loss = fsdp(x, y)
         loss.backward()
-        fsdp.finish_backward()
-        fsdp.clip_grad_norm_(args.grad_clip)
+        fsdp2.clip_grad_norm_(fsdp, args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
     step.fsdp = fsdp
-    return step, fsdp.comm
+    return step, fsdp2.METER
 
 
 def build_fully_shard(args, ctx):
@@ -156,17 +155,17 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
     for name, flags in setups:
         args = fsdp2.make_parser().parse_args(["--model", "gpt2", "--seq-len", str(seq_len), "--dtype", "bfloat16",
                                                "--device", "cpu", *flags])
-        mesh, comm = fsdp2.Mesh(args.replicate), gpt2.CommMeter()
-        fsdp = fsdp2.shard_gpt(gpt2.build_model(args), mesh, args, comm, torch.bfloat16)
-        shards = fsdp.shards()
+        comm = fsdp2.METER
+        fsdp = fsdp2.shard_gpt(gpt2.build_model(args), args, torch.bfloat16)
+        shards = list(fsdp.parameters())
+        comm.take_mb()
         opt = gpt2.make_adamw(shards, args, torch.device("cpu"))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if act_mb is None:
                 act_mb = fsdp2.activation_mb(lambda: fsdp(x, x), fsdp) * batch_size
             else:  # the bytes do not depend on B x T: a short sequence is enough
                 fsdp(x[:, :16], x[:, :16]).backward()
-                fsdp.finish_backward()
-        fsdp.clip_grad_norm_(1.0)
+        fsdp2.clip_grad_norm_(fsdp, 1.0)
         opt.step()
         params_mb, grads_mb, optim_mb = fsdp2.persistent_mb(fsdp, opt)
         comm.all_reduce(4, world)  # the step's loss, as fsdp2.train averages it
@@ -174,7 +173,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
         rows.append({"setup": name, "comm_MB": comm.take_mb(), "comm_MB_closed": fsdp2.comm_formula_mb(fsdp, 1, world),
                      "params_MB": params_mb, "grads_MB": grads_mb, "optim_MB": optim_mb, "act_MB": act_mb,
                      "mem_MB_closed": formula["persistent"], "peak_MB_closed": formula["peak"],
-                     "how": f"fake PG rank 0 of {world}, {mesh.replicas} x {mesh.shards}, CPU step, act at B=1 x {batch_size}"})
+                     "how": f"fake PG rank 0 of {world}, {args.replicate} x {world // args.replicate}, CPU step, act at B=1 x {batch_size}"})
         del fsdp, opt, shards
         gc.collect()
     if started:

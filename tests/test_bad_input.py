@@ -75,6 +75,10 @@ CASES += [  # ddp
 ]
 
 CASES += [  # fsdp2
+    ("fsdp2", ["--replicate", "0"], W2, "(--replicate)"),
+    ("fsdp2", ["--replicate", "4"], W2, "(--replicate)"),
+    ("fsdp2", ["--grad-clip", "nan"], W2, "(--grad-clip)"),
+    ("fsdp2", ["--reshard-after-forward", "2"], W2, "--reshard-after-forward"),
 ]
 
 CASES += [  # tensor_parallel

@@ -1,7 +1,9 @@
 """fsdp2.py: the loss curve of gpt2.py train in both reshard modes (2 and 4 ranks) and with HSDP (2 x 2), the
 same parameters as torch's fully_shard (2 and 4 ranks, padded slices at 4, HSDP on a 2 x 2 mesh), 1/N slices,
-gathered weights freed after forward in ZeRO-3, the traffic formulas, both --mp-policy choices against
-gpt2.py in bf16, --compile = eager, the exported state dict, a toy non-GPT model, and bad input."""
+gathered weights freed after forward in ZeRO-3, at most 2 units gathered and 2 reduce-scatters in flight, the
+traffic formulas, both --mp-policy choices against gpt2.py in bf16, --compile = eager, the exported state dict,
+a diverged last update refused before anything is written, FullyShardedModel as an nn.Module on a toy model
+(SGD(fsdp.parameters()) = one process = fully_shard), and bad input."""
 import math
 import os
 
@@ -91,6 +93,7 @@ def ours_vs_fully_shard(rank, world, argv, reshard, other_mode_out=None):
         if other_mode_out:
             fsdp2.train(argv + ["--compile", "--steps", "3", "--out", out + "_compiled"])
         found["toy"] = toy_vs_one_process_and_fully_shard(rank, world)  # any module, in this process group
+        found["diverged"] = diverging_run(argv, out + "_diverged")
     if world == 4:  # HSDP: 2 replicas x 2 shards, against fully_shard on a 2 x 2 DeviceMesh
         hsdp, _ = fsdp2.train(argv + ["--replicate", "2", "--out", out + "_hsdp"])
         found["n_total"] = sum(math.prod(s) for u in hsdp.all_units for s in u.shapes)
@@ -105,27 +108,46 @@ def ours_vs_fully_shard(rank, world, argv, reshard, other_mode_out=None):
     return param_rel_diff(ours, theirs), ours_losses, their_losses, found
 
 
+def diverging_run(argv, out):
+    """A run whose last update makes the weights NaN (its losses are finite): every rank checks its own
+    slices before anything is written, and the run ends as bad input does, in one line on rank 0, exit 2,
+    no model.pt (in this process group: the check is collective, so the ranks stay in step)."""
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            gpt2.run_main(fsdp2.train, argv + ["--grad-clip", "0", "--lr", "1e8", "--warmup", "0", "--steps", "2",
+                                              "--out", out])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue(), os.path.exists(os.path.join(out, "model.pt"))
+
+
 def inspect_sharding(fsdp, opt):
     """The slices, the freeing of gathered weights, in both modes, on a trained FullyShardedGPT."""
-    res = {"max_gathered_trained": fsdp.max_gathered_units}
+    res = {"max_gathered_trained": fsdp.max_gathered_units, "max_reduces_in_flight": fsdp.max_reduces_in_flight}
     # 1. each rank persistently holds 1/world of every parameter (plus padding rows), and its AdamW
     #    state is exactly its slice: 2 fp32 tensors per slice
     res["n_total"] = sum(math.prod(s) for u in fsdp.all_units for s in u.shapes)
     res["n_root"] = sum(math.prod(s) for s in fsdp.root.shapes)
-    res["shard_numel"] = sum(s.numel() for s in fsdp.shards())
+    res["shard_numel"] = sum(s.numel() for s in fsdp.parameters())
     res["adam_numel"] = sum(v.numel() for st in opt.state.values() for k, v in st.items() if k != "step")
     res["nothing_gathered_after_step"] = all(p.untyped_storage().nbytes() == 0 for u in fsdp.all_units for p in u.padded)
     # 2. gathered weights are freed after forward in ZeRO-3 and kept in ZeRO-2 (no optimizer step
     #    here: the parameters stay those of model.pt)
     x = torch.randint(0, 50257, (4, 16))
     for mode in (1, 0):
-        fsdp.reshard_after_forward = bool(mode)
+        if mode:  # ZeRO-3: the core's after_forward again
+            fsdp.__dict__.pop("after_forward", None)
+        else:
+            fsdp2.keep_gathered_until_backward(fsdp)
         fsdp.max_gathered_units = 0
         loss = fsdp(x, x)
         res[f"blocks_alive_after_forward_{mode}"] = [sum(p.untyped_storage().nbytes() for p in u.padded) for u in fsdp.units]
         res[f"root_alive_after_forward_{mode}"] = all(p.untyped_storage().nbytes() > 0 for p in fsdp.root.padded)
-        loss.backward()
-        fsdp.finish_backward()
+        loss.backward()  # ends reduced: the autograd engine calls fsdp.finish_backward
         res[f"freed_after_backward_{mode}"] = all(p.untyped_storage().nbytes() == 0 for u in fsdp.all_units for p in u.padded)
         res[f"max_gathered_{mode}"] = fsdp.max_gathered_units
         res[f"full_grads_dropped_{mode}"] = all(p.grad is None for u in fsdp.all_units for p in u.full)
@@ -186,8 +208,15 @@ def test_both_modes_match_single_process_and_fully_shard_2_ranks(baseline, shake
     # FullyShardedModel on a toy model (not a GPT): = one-process training and = fully_shard, tied weight
     # and unused parameter included (the unused one keeps its initial value, as in one process)
     toy = r["toy"]
-    assert toy["ours"] <= 1e-5 and toy["fully_shard"] <= 1e-5 and toy["trained"] > 1e-2, toy
-    assert toy["ours_unused_kept"] and toy["one_unused_kept"]
+    print("toy model, 3 SGD steps, relative parameter difference from one process:", toy)
+    assert toy["ours"] <= 1e-5 and toy["fully_shard"] <= 1e-5 and toy["all_ranks"] <= 1e-5 and toy["trained"] > 1e-2, toy
+    assert toy["ours_unused_kept"] and toy["one_unused_kept"] and toy["units"] == 3 and toy["module"]
+    assert toy["with_grad"][0] == toy["with_grad"][1] > 0  # .grad set on the shards when backward ends
+    # a diverged last update is refused before anything is written (the losses were finite)
+    code, err, saved = r["diverged"]
+    assert code == 2 and not saved and err.count("\n") == 1, (code, err, saved)
+    assert err.startswith("error: the weights are not finite after step 1 (") and "(--lr): nothing was saved" in err
+    assert r["max_reduces_in_flight"] == 2  # the memory formula's two fp32 reduce buffers
     # --compile (each Block's forward and the head compiled, hooks eager) = eager at steps 0-2
     compiled = train_losses(out + "_compiled")
     assert len(compiled) == 3 and max_rel_diff(compiled, train_losses(out3)[:3]) <= 1e-6, compiled
@@ -232,13 +261,14 @@ def test_bad_input_fails_before_any_collective(shakespeare, monkeypatch, tmp_pat
 
 
 class Toy(torch.nn.Module):
-    """Not a GPT: an embedding tied to the head (17 rows: 2 ranks pad), three residual MLP layers,
-    and a Linear that forward never calls (no gradient: AdamW must leave it alone)."""
+    """A course-style model, not a GPT: an embedding tied to the head (17 rows: 2 ranks pad), three
+    residual blocks (RMSNorm, Linear, GELU, Linear) in an nn.ModuleList, and a Linear that forward never
+    calls (no gradient: the optimizer must leave it alone)."""
 
     def __init__(self):
         super().__init__()
         self.emb = torch.nn.Embedding(17, 8)
-        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 12),
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.RMSNorm(8), torch.nn.Linear(8, 12),
                                                               torch.nn.GELU(), torch.nn.Linear(12, 8)) for _ in range(3))
         self.head = torch.nn.Linear(8, 17, bias=False)
         self.head.weight = self.emb.weight
@@ -252,45 +282,50 @@ class Toy(torch.nn.Module):
 
 
 def toy_vs_one_process_and_fully_shard(rank, world):
-    """3 AdamW steps of Toy on a global batch of 4 x 6 tokens (each rank its 2 rows): in one process,
-    with FullyShardedModel(units=the three layers; the root: the tied embedding/head and the unused
-    Linear), and with fully_shard on the same units. Rank 0 returns the three state dicts."""
+    """3 SGD steps of Toy on a global batch of 4 x 6 tokens (each rank its 2 rows): in one process, as
+    FullyShardedModel(model) used like fully_shard (default units: the ModuleList's blocks; the root:
+    the tied embedding/head and the unused Linear; SGD(fsdp.parameters()), nothing else called), and with
+    fully_shard on the same units. Rank 0 returns the comparisons; full_state_dict(all_ranks=True) is
+    checked on every rank (the largest difference of any rank)."""
     from torch.distributed.fsdp import fully_shard
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 17, (4, 7), generator=g) for _ in range(3)]
     rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
 
-    def run(model, params, loss_of, after_backward=lambda: None):
-        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    def run(params, loss_of):
+        opt = torch.optim.SGD(params, lr=0.5, momentum=0.9)
         for batch in data:
             loss_of(batch).backward()
-            after_backward()
+            with_grad = sum(p.grad is not None for p in opt.param_groups[0]["params"])
             opt.step()
             opt.zero_grad(set_to_none=True)
+        return with_grad
 
     torch.manual_seed(1)
     one = Toy()
-    run(one, one.parameters(), lambda b: one(b[:, :-1], b[:, 1:]))
+    one_with_grad = run(list(one.parameters()), lambda b: one(b[:, :-1], b[:, 1:]))
     torch.manual_seed(1)
     model = Toy()
-    fsdp = fsdp2.FullyShardedModel(model, units=list(model.layers))
-    run(model, fsdp.shards(), lambda b: fsdp(b[rows, :-1], b[rows, 1:]), fsdp.finish_backward)
-    ours = fsdp.full_state_dict()
+    fsdp = fsdp2.FullyShardedModel(model)
+    ours_with_grad = run(list(fsdp.parameters()), lambda b: fsdp(b[rows, :-1], b[rows, 1:]))
+    ours, everywhere = fsdp2.full_state_dict(fsdp), fsdp2.full_state_dict(fsdp, all_ranks=True)
     torch.manual_seed(1)
     theirs = Toy()
     for layer in theirs.layers:
         fully_shard(layer)
     fully_shard(theirs)
-    run(theirs, theirs.parameters(), lambda b: theirs(b[rows, :-1], b[rows, 1:]))
+    run(list(theirs.parameters()), lambda b: theirs(b[rows, :-1], b[rows, 1:]))
     theirs = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
     torch.manual_seed(1)
     init = Toy().state_dict()
+    one = one.state_dict()
+    everywhere_diff = torch.tensor(param_rel_diff(everywhere, one))
+    dist.all_reduce(everywhere_diff, op=dist.ReduceOp.MAX)
     if rank != 0:
         return None
-    one = one.state_dict()
     return {"ours": param_rel_diff(ours, one), "fully_shard": param_rel_diff(theirs, one),
+            "all_ranks": everywhere_diff.item(), "units": len(fsdp.units), "module": fsdp.module is model,
+            "with_grad": (ours_with_grad, one_with_grad),
             "trained": ((one["emb.weight"] - init["emb.weight"]).norm() / init["emb.weight"].norm()).item(),
             "ours_unused_kept": torch.equal(ours["unused.weight"], init["unused.weight"]),
             "one_unused_kept": torch.equal(one["unused.weight"], init["unused.weight"])}
-
-
