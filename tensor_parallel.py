@@ -10,9 +10,9 @@ output and one all-reduce finishes it. Attention splits the same way because hea
 The embedding and the tied LM head are cut along the vocabulary: no rank ever holds a full row of
 logits, the softmax is assembled from all-reduced maxima and sums. Sequence parallelism replaces each
 all-reduce by a reduce-scatter + all-gather (same bytes) and keeps the LayerNorm/residual stretch cut
-along the sequence, so its activations shrink by TP too. --overlap-comm hides backward communication
-under matmuls as Megatron-LM does: a column-parallel matmul's input-gradient all-reduce runs while its
-weight gradient is computed (with SP: the re-gather of its input runs while its input gradient is).
+along the sequence, so its activations shrink by TP too. --overlap-comm issues a column-parallel matmul's input-gradient all-reduce before its weight-gradient
+matmul so that the two may overlap, as Megatron-LM does (on CUDA with CUDA_DEVICE_MAX_CONNECTIONS=1, which
+it sets); the forward all-reduces stay exposed. On 2 CPU cores it gains nothing (1.00x, bench below).
 The column/row-parallel linears, the vocab-parallel embedding and loss take any nn.Linear/nn.Embedding:
 GPT's blocks are one user of them, a toy MLP + LM head in the tests is another.
 
@@ -38,8 +38,8 @@ GPT's blocks are one user of them, a toy MLP + LM head in the tests is another.
                 [sum exp, target logit]: loss = log sum exp - target; the 47 pad ids are -inf
 
     activations one block keeps for backward on a rank, in units of B*T*E values (no dropout here):
-        TP       4 + 13/t   LayerNorm inputs and the gathered c_attn/c_fc inputs are whole, the rest cut
-        TP + SP  17/t       LayerNorm inputs cut along T; c_attn/c_fc keep only their input's T/t
+        TP       4 + 12/t   LayerNorm inputs and the gathered c_attn/c_fc inputs are whole, the rest cut
+        TP + SP  16/t       LayerNorm inputs cut along T; c_attn/c_fc keep only their input's T/t
                             tokens and all-gather them again in backward (2 more all-gathers a block)
 
     GPT-2 124M at 8 ranks, B=16, T=1024, bf16, per rank (measured by tests/bench_tensor_parallel.py
@@ -596,9 +596,10 @@ def train(args):
             metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
             grid.meter.take_mb()
+    gpt2.check_finite_weights(list(model.parameters()), args.steps - 1)  # every rank: the last update too
     sd = model.full_state_dict()
     if ctx.master:
-        torch.save({"config": cfg.__dict__, "model": sd}, os.path.join(args.out, "model.pt"))
+        gpt2.save_model(os.path.join(args.out, "model.pt"), cfg, sd)
     metrics.plot()
     gpt2.print0(f"saved {args.out}/model.pt (gathered, gpt2 layout) and {args.out}/loss.png")
     if own_group and dist.is_initialized():
@@ -655,22 +656,45 @@ def saved_activation_bytes(model, idx, targets):
         loss = model.head_loss(x, targets)
     return sum(kept[0].values()), sum(kept[1].values()), loss
 
+def activation_bytes_closed_form(cfg, B, T, t, sequence_parallel):
+    """Bytes one rank keeps for backward in one fp32 micro-step (s = T, b = B, h = E, a = heads, V = padded
+    vocabulary), as (embedding + blocks, head + loss). Korthikanti et al. section 4.1 count, per layer in
+    16-bit with dropout, sbh(34 + 5as/h), with TP sbh(10 + 24/t + 5as/(ht)), with SP sbh/t(34 + 5as/h).
+    Here, per layer in values (x4 bytes): no dropout masks (their 2 bytes go), and SDPA's fused attention
+    keeps q, k, v, its output (c_proj reads it as a view) and a logsumexp of a/t values per token instead
+    of the a*s/h-sized scores; the LayerNorms keep a mean and an rstd per token (2 x 2 values):
+        TP  sbh(4 + 12/t) + sb(4 + a/t)        (the paper's 10 + 24/t bytes less 2 of masks, over 2 bytes)
+        SP  sbh(16/t) + sb(4 + a)/t            (the paper's 34/t bytes less 2/t, over 2)
+    Embedding: the ids (int64) and the foreign-id mask (bool), 9sb bytes, + wpe's positions 8s (SP: 8s/t).
+    Head: ln_f's input and the head's input, 2sbh values (SP: 2sbh/t), ln_f's 2sb (SP: 2sb/t) statistics,
+    the softmax sbV/t, and the loss's target mask and local ids, 9sb bytes."""
+    s, b, h, a, V = T, B, cfg.n_embd, cfg.n_head, cfg.padded_vocab
+    if sequence_parallel:
+        layer = 4 * (s * b * h * 16 // t + s * b * (4 + a) // t)
+        embed, head = 9 * s * b + 8 * s // t, 4 * (2 * s * b * h // t + 2 * s * b // t + s * b * V // t) + 9 * s * b
+    else:
+        layer = 4 * (s * b * h * (4 * t + 12) // t + s * b * (4 * t + a) // t)
+        embed, head = 9 * s * b + 8 * s, 4 * (2 * s * b * h + 2 * s * b + s * b * V // t) + 9 * s * b
+    return embed + cfg.n_layer * layer, head
+
+
 def print_activation_memory(model, grid, args, ctx):
-    """Print the activation bytes of one micro-batch, without and with sequence parallelism. Runs eagerly
-    before train compiles anything: under --compile, probing both modes inside the compiled modules cost
-    3 recompiles and a graph break before step 0. The probe's collectives are not counted."""
+    """Print the activation bytes of one micro-batch, without and with sequence parallelism, beside their
+    closed forms (fp32 only: under autocast the saved tensors also hold low-precision copies of the weights).
+    Runs eagerly before train compiles anything: under --compile, probing both modes inside the compiled
+    modules cost 3 recompiles and a graph break before step 0. The probe's collectives are not counted."""
     probe = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len),
                           generator=torch.Generator().manual_seed(0)).to(ctx.device)
     for sp in [False] + ([True] if grid.tp > 1 and args.seq_len % grid.tp == 0 else []):
         grid.sequence_parallel = sp
         with ctx.autocast():
             blocks, head, _ = saved_activation_bytes(model, probe, probe)
+        closed = activation_bytes_closed_form(model.config, args.batch_size, args.seq_len, grid.tp, sp)
+        closed = [f" (closed form {c / 1e6:.2f})" if ctx.dtype == torch.float32 else "" for c in closed]
         gpt2.print0(f"activation memory per rank, one micro-batch, {'with' if sp else 'without'} sequence parallelism: "
-                    f"{blocks / 1e6:.2f} MB embedding + blocks, {head / 1e6:.2f} MB head + loss")
+                    f"{blocks / 1e6:.2f} MB embedding + blocks{closed[0]}, {head / 1e6:.2f} MB head + loss{closed[1]}")
     grid.sequence_parallel = args.sequence_parallel
     grid.meter.take_mb()
-
-
 
 
 def validate(args, cfg, world):
@@ -691,6 +715,19 @@ def validate(args, cfg, world):
     return tp
 
 
+def order_comm_before_compute():
+    """--overlap-comm issues dX's all-reduce before the dW matmul; on CUDA the two only overlap in that order
+    if the GPU takes work from one hardware queue, which Megatron-LM gets from CUDA_DEVICE_MAX_CONNECTIONS=1
+    (read when CUDA initializes): set it while it can still take effect, else say so in one line."""
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        return
+    if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ and not torch.cuda.is_initialized():
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    elif torch.cuda.is_available():
+        gpt2.print0("warning: --overlap-comm without CUDA_DEVICE_MAX_CONNECTIONS=1 (set before CUDA starts): "
+                    "the GPU may run the dW matmul before dX's all-reduce, and nothing overlaps")
+
+
 def main(argv=None):
     p = gpt2.make_parser("Megatron tensor parallelism (x data parallelism) for GPT-2.")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks per model (default: all); DP = world / tp")
@@ -698,6 +735,8 @@ def main(argv=None):
     p.add_argument("--overlap-comm", action="store_true",
                    help="in backward, run the column-parallel matmuls' dX all-reduce (SP: the input re-gather) under a matmul")
     args = p.parse_args(argv)
+    if args.overlap_comm:
+        order_comm_before_compute()
     args.tp = validate(args, gpt2.model_config(args), int(os.environ.get("WORLD_SIZE", 1)))
     train(args)
 

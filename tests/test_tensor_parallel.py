@@ -104,6 +104,24 @@ def _layers(rank, world):
     out["dtensor"] = _dtensor_block(rank, world, full, x)
     out["overlap"] = _overlap_comm(rank, world)
     out["toy"] = _toy_model(rank, world)
+    out["activations"] = _activations(rank, world)
+    return out
+
+
+def _activations(rank, world):
+    """The bytes a TensorParallelGPT keeps for backward (fp32, CPU) vs activation_bytes_closed_form, for
+    TP and TP + SP at two batch shapes: measured - closed, in bytes, per part (embedding + blocks, head)."""
+    torch.manual_seed(0)
+    cfg = gpt2.GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=32)
+    full = gpt2.GPT(cfg)
+    out = {}
+    for B, T in ((2, 16), (3, 32)):
+        idx = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(B))
+        for sp in (False, True):
+            model = tp.TensorParallelGPT(copy.deepcopy(full), tp.make_grid(world, rank, world, sp))
+            blocks, head, _ = tp.saved_activation_bytes(model, idx, idx)
+            closed = tp.activation_bytes_closed_form(cfg, B, T, world, sp)
+            out[(B, T, sp)] = (blocks - closed[0], head - closed[1], blocks)
     return out
 
 
@@ -307,6 +325,9 @@ def test_parallel_layers_dtensor_block_and_training_match_gpt2(random_data, tmp_
     for rank, (res, _) in enumerate(two):
         dt = res.pop("dtensor")
         overlap, toy = res.pop("overlap"), res.pop("toy")
+        # activations vs their closed form: tolerance 0 bytes (measured: exact, both parts, TP and SP)
+        acts = res.pop("activations")
+        assert len(acts) == 4 and all(a[:2] == (0, 0) and a[2] > 0 for a in acts.values()), f"rank {rank}: {acts}"
         assert overlap == {"spFalse": 0.0, "spFalse_n": 28, "spTrue": 0.0, "spTrue_n": 28}, overlap
         assert len(toy) == 3 * 9 + 5 and all(v < 1e-5 for v in toy.values()), f"rank {rank} toy: {toy}"
         bad = {k: v for k, v in res.items() if not v < 1e-5}
@@ -334,3 +355,30 @@ def test_parallel_layers_dtensor_block_and_training_match_gpt2(random_data, tmp_
         lines = [l for l in stdout.splitlines() if l.startswith("activation memory")]
         blocks = [float(l.split(": ")[1].split(" MB")[0]) for l in lines]
         assert len(blocks) == 2 and blocks[1] < blocks[0], lines
+        closed = [float(l.split("(closed form ")[1].split(")")[0]) for l in lines]
+        assert closed == blocks, lines  # the printed closed form beside the measurement, fp32
+
+
+def _diverge(rank, world, argv):
+    """gpt2.run_main(tensor_parallel.main) as the CLI runs it: (exit code, what this rank printed to stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            gpt2.run_main(tp.main, argv)
+        except SystemExit as e:
+            return e.code, err.getvalue()
+    return 0, err.getvalue()
+
+
+def test_diverging_run_saves_nothing(shakespeare, tmp_path):
+    """--lr 1e3 without clipping: step 1's loss is still finite (7e7), the update after it is not. Every rank
+    checks its weights before the gathered model.pt is written: exit 2, one line, no model.pt."""
+    out = tmp_path / "diverged"
+    argv = ["--model", "tiny", "--tp", "2", "--seq-len", "16", "--batch-size", "2", "--steps", "2", "--eval-every", "0",
+            "--device", "cpu", "--dtype", "float32", "--lr", "1e3", "--grad-clip", "0", "--warmup", "0",
+            "--data", shakespeare, "--out", str(out)]
+    (code, err), (code1, err1) = run_distributed(_diverge, 2, argv, timeout=240)
+    assert (code, code1, err1) == (2, 2, ""), (code, code1, err1)
+    assert err.count("\n") == 1 and "error: the weights are not finite after step 1" in err, err
+    assert (out / "metrics.jsonl").exists() and not (out / "model.pt").exists()
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
