@@ -6,8 +6,8 @@ The idea: cut GPT-2's stack of blocks into stages and give each rank one (or a f
 split into M micro-batches that stream through the stages: while rank 1 runs its blocks on micro-batch
 0, rank 0 already runs its blocks on micro-batch 1. Only the activation at each cut (B/M x T x C) moves
 forward, and its gradient moves back. The *schedule* is the order in which a rank runs forwards (F) and
-backwards (B), or backwards split into the input gradient (I, what DualPipe calls B) and the weight
-gradient (W), which has no consumer downstream and so can wait to fill a gap. The idle time a schedule
+backwards (B), or backwards split into the input gradient (I: the zero-bubble paper's B; DeepSeek's B is
+the full backward, our B) and the weight gradient (W), which has no consumer downstream and so can wait. The idle time a schedule
 leaves is its bubble. Here every schedule is a plain function that returns each rank's list of ops; from
 all ranks' lists, plan_messages lays out every batch_isend_irecv of the step in advance (a pure function,
 checked against a model of NCCL's point-to-point rules in tests/), and one executor runs any list.
@@ -44,14 +44,17 @@ hidden under the other chunk's compute. Its bubble, (PP/2-1)(F&B+B-3W) per rank 
 unit. This file has no all-to-all (GPT-2 is dense) and runs F then B on one stream; it overlaps only
 the point-to-point messages (in flight while the next op computes) and nothing inside an op. simulate()
 models both: paired=True (F&B as one unit) reproduces table 2's formula exactly, the executor's own
-order idles half of it at F=1, B=2, W=1 (tests/), and report() prints both, labelled. What this file
-keeps of DualPipe is the schedule: two directions (or the V) and W's that fill the ramps.
+order idles half of it at F=1, B=2, W=1 (tests/), and report() prints both, labelled. That is no win
+over DeepSeek: pairing trades idle time for hiding an all-to-all inside each F&B, and pays only where
+there is one to hide, which a dense model has not. What this file keeps of DualPipe is the schedule:
+two directions (or the V) and W's that fill the ramps.
 
 Messages and memory. An activation crossing a boundary is (B/M, T, C) in the run's compute dtype (bf16
 on GPUs, received back into the fp32 residual stream); the whole batch crosses each boundary once
 forward and once back. A stage's output is freed as soon as its send is done (backward keeps only the
 graph behind it, as Megatron-LM's deallocate_output_tensor does); the I/W tape keeps, per matmul and
-LayerNorm, its input and where its output's gradient arrives, never the output (the logits among them).
+LayerNorm, its input and where its output's gradient arrives, never the output; but from I to W it holds
+that output gradient, for lm_head the logits-sized (B/M, T, V): ZB-H1's last stage keeps P of them.
 
 GPT-2 124M at 8 ranks, B=16 x T=1024 per replica (tests/bench_pipeline.py --per-rank-124m measures
 the same on a fake process group; `1f1b` rank 0 of P=4 x D=2):
@@ -123,8 +126,10 @@ def zbh1(P, M, rank):
     """ZB-H1 (Qi et al. 2023, section 3.1): 1F1B with every backward split into I (the input gradient the
     previous stage waits for) and W (the weight gradient nobody waits for). Rank r runs each W `r` ops
     behind its I: the I's then travel back to rank 0 at I's pace instead of B's, and the W's held back
-    fill the cooldown, where 1F1B idles: bubble (P-1)(F+B-2W) per rank instead of (P-1)(F+B), with
-    1F1B's P - rank micro-batches in flight (tests/ checks both by simulation)."""
+    fill the cooldown, where 1F1B idles: bubble (P-1)(F+B-2W) per rank instead of (P-1)(F+B) (tests/
+    simulates it). Memory: P - rank micro-batches await their I, as in 1F1B, but rank r also keeps the W
+    state of up to r + 1, so every rank holds state for P micro-batches from F to W; on the last stage
+    that state includes lm_head's logits-sized output gradient (tests/bench_pipeline.py --quick)."""
     warmup, lag = min(P - 1 - rank, M), rank
     ops, waiting = [Op("F", rank, i) for i in range(warmup)], collections.deque()
     for i in range(M):
@@ -341,8 +346,10 @@ def plan_messages(orders, owner):
     after a batch of its own whose send rank 0 receives later. So the plan is laid out on one shared
     clock, a simulation of the op lists (PLAN_COST): a message leaves with the batch right after the op
     that made it (at the op's end time t), and the receiver posts its receive in its first batch at or
-    after t, which is never later than the batch before the op that needs it. Every batch then waits
-    only on batches that are earlier on that clock, which all complete first: no cycle, no deadlock.
+    after t, which is never later than the batch before the op that needs it. The intuition: every batch
+    then waits only on batches earlier on that clock, so no cycle can form. The proof is tests/'s
+    exhaustive check of every schedule's plan (P up to 8, M up to 4P, with and without --dp) against
+    a model of NCCL's contract.
     Receives from one peer are posted in the order it sends (sorted by send time), so the n-th receive
     is the n-th send, as NCCL matches them. tests/ checks the plan of every schedule against a model of
     this contract."""
@@ -891,6 +898,10 @@ def check_args(args, world):
     if args.batch_size % M:
         gpt2.fail(f"--batch-size {args.batch_size} is not divisible by --micro-batches {M}", "--micro-batches",
                   "give a divisor of --batch-size")
+    if L % S and args.schedule == "interleaved" and L % P == 0:  # the layers split over P ranks, not into V chunks
+        fits = [v for v in range(1, L // P + 1) if L // P % v == 0]
+        gpt2.fail(f"{L} layers do not split into V x P = {V} x {P} = {S} stages (interleaved)", "--virtual-stages",
+                  f"give a V that divides {L // P} layers per rank: one of {fits}")
     if L % S:
         gpt2.fail(f"{L} layers do not split into {S} stages ({args.schedule}, P={P} ranks per pipeline)",
                   "--n-layer", f"give a multiple of {S} layers, or another number of ranks")

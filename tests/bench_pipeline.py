@@ -5,6 +5,7 @@ very same stages, in one run (CPU gloo here; --device cuda on GPUs).
     torchrun --nproc_per_node=2 tests/bench_pipeline.py
     torchrun --nproc_per_node=4 tests/bench_pipeline.py
     torchrun --nproc_per_node=4 tests/bench_pipeline.py --n-layer 8 --n-embd 256 --micro-batches 16 --steps 8
+    torchrun --nproc_per_node=4 tests/bench_pipeline.py --quick   # peak memory per rank only (about a minute)
     python tests/bench_pipeline.py --per-rank-124m      # GPT-2 124M at 8 ranks, fake process group, meta device
 
 A step here is forward + backward of one batch through the pipeline (no optimizer). "bubble" is the mean
@@ -16,7 +17,10 @@ as DeepSeek's executor does. The closed forms assume equal stages; on small mode
 "peak MB" is, per rank, the most memory held above the step's start, sampled after every op (GPU: the
 allocator's peak; CPU: resident memory, with glibc told to return every block over 64 KB at once):
 "now" is pipeline.py, "before" the same run keeping what it used to keep (every sent stage output until
-the end of the step, the logits on the I/W tape, fp32 messages).
+the end of the step, the logits on the I/W tape, fp32 messages). "W state MB" is, per rank, the most bytes
+the I/W tape held for deferred weight gradients (each matmul's input and output gradient, storages counted
+once): ZB-H1's last stage holds lm_head's logits-sized output gradient (B/M x T x 50304) for up to P
+micro-batches, the other ranks only C-wide tensors. --quick: peak memory per rank only (no "before", no torch).
 """
 import collections
 import copy
@@ -80,15 +84,26 @@ class Before(pl.Pipeline):
         return out
 
 
+def w_state_bytes(pipe):
+    """Bytes the I/W tape holds now for deferred weight gradients: (input, output gradient) pairs, storages once."""
+    storages = {}
+    for pairs in getattr(pipe, "deferred", {}).values():
+        for _, x, dy in pairs:
+            for t in (x, dy):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def peak_memory(pipe, x, y, M, device):
-    """Run one step, sampling memory after every op; returns the peak above the step's start in MB."""
+    """Run one step, sampling memory after every op; returns (peak above the step's start, peak W state) in MB."""
     ops = {name: getattr(pipe, name) for name in ("_forward", "_backward", "_weight")}
-    peak = [0]
+    peak, w_peak = [0], [0]
 
     def sampled(fn):
         def run(*a):
             fn(*a)
             peak[0] = max(peak[0], memory_now(device))
+            w_peak[0] = max(w_peak[0], w_state_bytes(pipe))
         return run
     for name, fn in ops.items():
         setattr(pipe, name, sampled(fn))
@@ -103,7 +118,7 @@ def peak_memory(pipe, x, y, M, device):
     for name in ops:
         delattr(pipe, name)
     pipe.model.zero_grad(set_to_none=True)
-    return (peak[0] - start) / 1e6
+    return (peak[0] - start) / 1e6, w_peak[0] / 1e6
 
 
 def time_steps(fn, steps, device):
@@ -133,6 +148,7 @@ def legal_m(name, P, M):
 def main():
     p = pl.make_parser()
     p.set_defaults(n_layer=8, n_embd=64, seq_len=32, batch_size=16, micro_batches=8, steps=5, out="out/bench_pipeline")
+    p.add_argument("--quick", action="store_true", help="peak memory per rank only: no 'before', no timing, no torch")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     ctx = gpt2.setup(args)
@@ -151,22 +167,35 @@ def main():
         if args.n_layer % pl.num_stages(name, P, args.virtual_stages):
             continue
         pl.check_args(args, world)
-        mem = {}
-        for kind, cls in (("before", Before), ("now", pl.Pipeline)):
+        mem = {"before": (float("nan"), float("nan"))}
+        for kind, cls in (("before", Before), ("now", pl.Pipeline))[args.quick:]:
             pipe = cls(args, ctx, P, gpt2.CommMeter())
             peak_memory(pipe, x, y, M, ctx.device)  # warm-up: first-touch allocations
             mem[kind] = peak_memory(pipe, x, y, M, ctx.device)
+        peaks = [None] * world
+        dist.all_gather_object(peaks, (mem["before"][0], *mem["now"]))
+        if args.quick:
+            rows.append((name, M, None, None, peaks[:P]))
+            continue
 
         def step():
             pipe.run(x, y, 1.0 / M, align=True)
             pipe.model.zero_grad(set_to_none=True)
         ms = time_steps(step, args.steps, ctx.device)
         st = pl.bubble_stats(name, P, M, gather_spans(pipe), args.virtual_stages)
-        peaks = [None] * world
-        dist.all_gather_object(peaks, (mem["before"], mem["now"]))
         rows.append((name, M, ms, st, peaks[:P]))
         if name == "1f1b":
             ours_1f1b, ours_pipe = ms, pipe
+    if args.quick:
+        if ctx.master:
+            print(f"\npipeline memory: P={P} | {args.n_layer} layers x {args.n_embd} wide, batch {args.batch_size} x "
+                  f"{args.seq_len} | {ctx.device} {ctx.dtype} | MB per rank (rank 0 .. {P - 1})")
+            print(f"{'schedule':11s} {'M':>3s}  {'peak MB above step start':32s} W state MB (I/W tape)")
+            for name, M, _, _, peaks in rows:
+                print(f"{name:11s} {M:3d}  {' '.join(f'{n:.1f}' for _, n, _ in peaks):32s} "
+                      f"{' '.join(f'{w:.2f}' for _, _, w in peaks)}")
+        dist.destroy_process_group()
+        return
     M = args.micro_batches = legal_m("1f1b", P, M0)
 
     # PyTorch's Schedule1F1B on the same stages (same layers, same micro-batches, same loss scaling)
@@ -189,11 +218,12 @@ def main():
         print(f"\npipeline bench: P={P} | {args.n_layer} layers x {args.n_embd} wide, batch {args.batch_size} x "
               f"{args.seq_len} | {ctx.device} {ctx.dtype} | median of {args.steps - 1} steps")
         print(f"{'schedule':11s} {'M':>3s} {'step ms':>8s} {'bubble':>7s} {'sim':>6s} {'sim F&B':>7s}  "
-              f"{'peak MB per rank, before -> now':34s} closed form")
+              f"{'peak MB per rank, before -> now':34s} {'W state MB':16s} closed form")
         for name, M, ms, st, peaks in rows:
             paired = f"{st['simulated_paired']:7.3f}" if "simulated_paired" in st else f"{'-':>7s}"
-            mem = " ".join(f"{b:.1f}->{n:.1f}" for b, n in peaks)
-            print(f"{name:11s} {M:3d} {ms:8.1f} {st['bubble']:7.3f} {st['simulated']:6.3f} {paired}  {mem:34s} "
+            mem = " ".join(f"{b:.1f}->{n:.1f}" for b, n, _ in peaks)
+            w = " ".join(f"{w:.2f}" for _, _, w in peaks)
+            print(f"{name:11s} {M:3d} {ms:8.1f} {st['bubble']:7.3f} {st['simulated']:6.3f} {paired}  {mem:34s} {w:16s} "
                   f"{st['closed']}")
         print(f"1f1b step: ours {ours_1f1b:.1f} ms | torch Schedule1F1B {torch_ms:.1f} ms | "
               f"ours/torch {ours_1f1b / torch_ms:.2f}")

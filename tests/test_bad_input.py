@@ -85,6 +85,12 @@ CASES += [  # tensor_parallel
 ]
 
 CASES += [  # pipeline
+    ("pipeline", ["--schedule", "interleaved", "--virtual-stages", "3", "--n-layer", "4", "--micro-batches", "2"], W2,
+     "(--virtual-stages)"),
+    ("pipeline", ["--virtual-stages", "0"], W2, "(--virtual-stages)"),
+    ("pipeline", ["--micro-batches", "0"], W2, "(--micro-batches)"),
+    ("pipeline", ["--dp", "0"], W2, "(--dp)"),
+    ("pipeline", ["--dp", "3"], W2, "(--dp)"),
 ]
 
 CASES += [  # moe_ep

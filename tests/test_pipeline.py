@@ -39,6 +39,19 @@ def torch_dualpipev_order(P, M, rank):
     return ops
 
 
+def torch_zbh1_order(P, M, rank):
+    """torch.distributed.pipelining's ScheduleInterleavedZeroBubble (Qi et al., ZB-1P) with one chunk per rank,
+    i.e. ZB-H1's memory: 1F1B's warm-up, each rank's W `rank` backwards behind its I. Computed without stages."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, _ComputationType as C
+    sched = object.__new__(ScheduleInterleavedZeroBubble)
+    sched.pp_group_size, sched._n_microbatches, sched.n_local_stages = P, M, 1
+    sched.number_of_rounds = max(1, M // P)
+    sched.microbatches_per_round = M // sched.number_of_rounds
+    kinds = {C.FORWARD: "F", C.FULL_BACKWARD: "B", C.BACKWARD_INPUT: "I", C.BACKWARD_WEIGHT: "W"}
+    return [pl.Op(kinds[a.computation_type], a.stage_index, a.microbatch_index)
+            for a in sched._calculate_single_rank_operations(rank) if a is not None]
+
+
 def check_well_formed(name, P, M):
     """Every (stage, micro-batch) of every rank: one F, then one backward (B, or I then its W)."""
     for r, ops in enumerate(pl.op_lists(name, P, M)):
@@ -70,14 +83,18 @@ def test_schedule_definitions():
         for r in range(P):
             mirror = [pl.Op(o.kind, o.stage, (o.mb + M // 2) % M) for o in pl.dualpipe(P, M, P - 1 - r)]
             assert pl.dualpipe(P, M, r) == mirror
-    # ZB-H1: 1F1B's order of forwards and input gradients, each W `rank` ops late, 1F1B's memory
-    for P, M in ((2, 4), (4, 8), (4, 5)):
+    # ZB-H1: the same op lists as PyTorch's ScheduleInterleavedZeroBubble with one chunk per rank; 1F1B's
+    # order of forwards and input gradients; P - rank micro-batches await their I (1F1B's), but rank r keeps
+    # the W state of r + 1, so every rank holds P micro-batches from F to W (not P - rank)
+    for P, M in ((2, 4), (2, 7), (4, 4), (4, 5), (4, 8), (4, 12), (8, 16), (8, 19)):
         for r in range(P):
             ops = pl.zbh1(P, M, r)
+            assert ops == torch_zbh1_order(P, M, r), (P, M, r)
             assert [o for o in ops if o.kind != "W"] == [pl.Op("I" if o.kind == "B" else "F", o.stage, o.mb)
                                                          for o in pl.one_f_one_b(P, M, r)]
             kinds = "".join(o.kind for o in ops)
-            assert max(kinds[:i].count("F") - kinds[:i].count("I") for i in range(len(kinds))) == P - r
+            held = lambda a, b: max(kinds[:i].count(a) - kinds[:i].count(b) for i in range(len(kinds) + 1))  # noqa: E731
+            assert (held("F", "I"), held("I", "W"), held("F", "W")) == (P - r, r + 1, P), (P, M, r)
     # interleaved: Megatron's order, chunk c of rank r is stage c*P + r, groups of P micro-batches
     assert [tuple(o) for o in pl.interleaved(2, 4, 0, 2)[:8]] == [
         ("F", 0, 0), ("F", 0, 1), ("F", 2, 0), ("F", 2, 1), ("F", 0, 2), ("B", 2, 0), ("F", 0, 3), ("B", 2, 1)]
@@ -338,19 +355,32 @@ def _two_rank_worker(rank, world, data, out):
 
 
 @pytest.fixture(scope="module")
-def baselines(random_data, tmp_path_factory):
-    """`gpt2.py train` (one process) for the configurations the pipeline runs are compared with."""
+def baselines(shakespeare, tmp_path_factory):
+    """`gpt2.py train` (one process, real text) for the configurations the pipeline runs are compared with."""
     out = {}
     for key, extra in {"L4B8": ["--batch-size", "8"], "L8B8": ["--batch-size", "8", "--n-layer", "8"]}.items():
         d = str(tmp_path_factory.mktemp("base_" + key))
-        gpt2.train(["--data", random_data, "--out", d] + SMALL + extra)
+        gpt2.train(["--data", shakespeare, "--out", d] + SMALL + extra)
         out[key] = losses(d)
         out[key + "_train"] = [r["loss"] for r in read_metrics(d) if "loss" in r]
     return out
 
 
-def test_two_ranks_every_schedule(random_data, tmp_path, baselines):
-    results = run_distributed(_two_rank_worker, 2, random_data, str(tmp_path), timeout=300)
+# A correct pipeline reproduces gpt2.py's fp32 curve to round-off (measured 1.8e-7 at 2 and 4 ranks); a frozen model or
+# a dropped replica all-reduce moves it by far more on real text, where the loss falls (FALLS) in 8 steps
+CURVE_TOL, FALLS = 5e-7, 0.1
+
+
+def check_curve(curve, base, key):
+    """A pipeline run's losses: the same length as gpt2.py's, falling, and within CURVE_TOL of it."""
+    diff = max_rel_diff(curve, base)
+    print(f"curve {key}: max rel diff {diff:.2e} vs gpt2.py train, loss {curve[0]:.3f} -> {curve[-1]:.3f}")
+    assert curve[0] - curve[-1] > FALLS, (key, curve)
+    assert diff <= CURVE_TOL, (key, diff)
+
+
+def test_two_ranks_every_schedule(shakespeare, tmp_path, baselines):
+    results = run_distributed(_two_rank_worker, 2, shakespeare, str(tmp_path), timeout=300)
     for name in pl.SCHEDULE_NAMES:
         for rank, res in enumerate(results):
             r = res[name]
@@ -361,7 +391,7 @@ def test_two_ranks_every_schedule(random_data, tmp_path, baselines):
                 assert r["torch_grad"] < 1e-4, (name, rank, r)
                 assert r["torch_loss"] is None or r["torch_loss"] < 1e-5, (name, rank, r)
         d = os.path.join(str(tmp_path), name)
-        assert max_rel_diff(losses(d), baselines["L4B8"]) <= 1e-4, name
+        check_curve(losses(d), baselines["L4B8"], name)
         sched = json.load(open(os.path.join(d, "schedule.json")))
         assert [[tuple(s[0]) for s in spans] for spans in sched["spans"]] == \
                [[tuple(op) for op in order] for order in pl.op_lists(name, 2, 4)]
@@ -373,6 +403,7 @@ def test_two_ranks_every_schedule(random_data, tmp_path, baselines):
     # activations held: GPipe all M, 1F1B P - rank, DualPipe P + 1 (DeepSeek-V3 table 2)
     held = {n: json.load(open(os.path.join(str(tmp_path), n, "schedule.json")))["peak_held"] for n in pl.SCHEDULE_NAMES}
     assert held["gpipe"] == [4, 4] and held["1f1b"] == [2, 1] and held["dualpipe"] == [3, 3]
+    assert held["zbh1"] == [2, 2]  # ZB-H1: P on every rank, counting those whose W is still to run
 
 
 # -- 4 ranks: DualPipe at P=4, DualPipeV over 8 stages, 1F1B x data parallel (P=2, D=2), ZB-H1, interleaved
@@ -390,14 +421,15 @@ def _four_rank_worker(rank, world, data, out):
     return True
 
 
-def test_four_ranks(random_data, tmp_path, baselines):
-    run_distributed(_four_rank_worker, 4, random_data, str(tmp_path), timeout=300)
+def test_four_ranks(shakespeare, tmp_path, baselines):
+    run_distributed(_four_rank_worker, 4, shakespeare, str(tmp_path), timeout=300)
     # 1f1b_dp2: two replicas of 4 rows each are the baseline's batch of 8
     for key, base in {"dualpipe": "L4B8", "dualpipev": "L8B8", "1f1b_dp2": "L4B8", "zbh1": "L4B8",
                       "interleaved": "L8B8", **{f"{name}_dp2": "L4B8" for name in
                                                 ("gpipe", "zbh1", "interleaved", "dualpipe", "dualpipev")}}.items():
         train = [r["loss"] for r in read_metrics(os.path.join(str(tmp_path), key))]
-        assert len(train) == 8 and max_rel_diff(train, baselines[base + "_train"]) <= 1e-4, key
+        assert len(train) == 8, key
+        check_curve(train, baselines[base + "_train"], key)
     held = json.load(open(os.path.join(str(tmp_path), "dualpipe", "schedule.json")))["peak_held"]
     assert held == [5, 5, 5, 5]  # DualPipe holds P + 1 micro-batches' activations per rank
 
