@@ -3,8 +3,9 @@ moe_ep.py - a Mixture-of-Experts GPT-2 trained with expert parallelism: the MLP 
 E expert MLPs and a router that sends each token to its top-k experts; the experts are split across EP
 ranks, and tokens travel to their experts and back by two hand-written all-to-alls per layer.
 
-The idea: a token only needs k of the E expert MLPs, so an MoE has E/k times the MLP parameters of its
-dense twin for the same FLOPs per token (Shazeer et al. 2017; GShard; Switch Transformer). The experts do
+The idea: a token runs only k of the E expert MLPs, so parameters grow with E and FLOPs per token with k:
+E times the dense MLP's parameters for k times its FLOPs (Shazeer et al. 2017; GShard; Switch Transformer;
+top-2 of 8 at 124M: 578M held, 237.8M used per token vs the dense 124.5M; train() prints `active`). The experts do
 not fit, or do not run fast, on one GPU, so rank r of an EP group keeps experts [r*E/ep, (r+1)*E/ep) only.
 In each MoE layer a rank routes its own tokens, sorts them by destination expert, swaps counts, then swaps
 the tokens themselves (all_to_all_single with uneven splits), runs its local experts on what it received,
@@ -29,7 +30,9 @@ Everything that is not an expert (attention, LayerNorms, embeddings, routers) is
 DeepSeek-V3's dispatch, each a flag that is off by default (off = the behaviour above, tested):
     --dispatch rank          one row per (token, destination rank) instead of per chosen expert; the gates
                              travel with it and the receiver sums its local experts' outputs before the combine
-    --max-ranks-per-token M  node-limited routing (sec. 2.1.2), EP ranks in the role of nodes
+    --route-groups G --groups-per-token M   node-limited routing (sec. 2.1.2): experts in G groups (one
+                             node's worth each), a token's k experts from at most M groups; G is fixed by the
+                             flag, not by --ep, so the one-rank run routes exactly as the EP run
     --seq-aux-coef a         the sequence-wise balance loss (eq. 17-20) beside the batch-wise one
     --grouped-gemm           local experts as grouped GEMMs (torch._grouped_mm, or one padded bmm)
     --overlap-shared         the shared expert computes while the dispatch all-to-all is in flight
@@ -71,6 +74,7 @@ Metrics, Profiler.
 import argparse
 import math
 import os
+import pickle
 import sys
 import time
 from dataclasses import dataclass
@@ -291,16 +295,18 @@ def seeded(seed, make):
         return make()
 
 
-def limit_ranks(choice, ranks, max_ranks, k):
-    """Node-limited routing (DeepSeek-V3 sec. 2.1.2, with EP ranks in the role of nodes): keep, for each
-    token, the max_ranks ranks whose highest ceil(k / max_ranks) affinities sum highest, and make the other
-    ranks' experts unselectable. choice: (N, E) scores (+ bias) that top-k selects on; expert e lives on rank
-    e // (E / ranks). A token then crosses the network to at most max_ranks ranks."""
+def limit_groups(choice, groups, max_groups, k):
+    """Node-limited routing (DeepSeek-V3 sec. 2.1.2; DeepSeek-V2's device-limited routing): experts form
+    `groups` consecutive groups of E/groups; keep, for each token, the max_groups groups whose highest
+    ceil(k / max_groups) affinities sum highest, and make the other groups' experts unselectable. choice: (N, E)
+    scores (+ bias) that top-k selects on. The groups are a flag, not the EP layout: with --route-groups a
+    multiple of --ep every group sits on one rank, so a token crosses the network to at most max_groups ranks,
+    and one process routes the same tokens to the same experts."""
     N, E = choice.shape
-    per_rank = choice.view(N, ranks, E // ranks)
-    rank_score = per_rank.topk(min(E // ranks, math.ceil(k / max_ranks)), dim=-1).values.sum(-1)  # (N, ranks)
-    allowed = torch.zeros_like(rank_score, dtype=torch.bool).scatter_(1, rank_score.topk(max_ranks, -1).indices, True)
-    return choice.masked_fill(~allowed.repeat_interleave(E // ranks, dim=1), float("-inf"))
+    per_group = choice.view(N, groups, E // groups)
+    group_score = per_group.topk(min(E // groups, math.ceil(k / max_groups)), dim=-1).values.sum(-1)  # (N, groups)
+    allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, group_score.topk(max_groups, -1).indices, True)
+    return choice.masked_fill(~allowed.repeat_interleave(E // groups, dim=1), float("-inf"))
 
 
 def grouped_mm(x, w, rows):
@@ -343,8 +349,7 @@ class MoE(nn.Module):
         self.E, self.k, self.gate, self.cf = E, args.top_k, args.gate, args.capacity_factor
         self.norm_topk = getattr(args, "norm_topk", False)
         self.dispatch = getattr(args, "dispatch", "expert")
-        self.max_ranks = getattr(args, "max_ranks_per_token", 0)
-        self.route_ranks = ep  # experts e lives on rank e // (E / ep): what --max-ranks-per-token counts
+        self.route_groups, self.groups_per_token = getattr(args, "route_groups", 0), getattr(args, "groups_per_token", 0)
         self.seq_aux = getattr(args, "seq_aux_coef", 0.0) > 0
         self.grouped = getattr(args, "grouped_gemm", False)
         self.overlap_shared = getattr(args, "overlap_shared", False)
@@ -371,8 +376,8 @@ class MoE(nn.Module):
             logits = F.linear(h.float(), self.router.weight.float())
         scores = logits.softmax(-1) if self.gate == "softmax" else logits.sigmoid()
         choice = scores + self.bias
-        if self.max_ranks and self.max_ranks < self.route_ranks:
-            choice = limit_ranks(choice, self.route_ranks, self.max_ranks, self.k)
+        if self.groups_per_token:
+            choice = limit_groups(choice, self.route_groups, self.groups_per_token, self.k)
         idx = torch.topk(choice, self.k, dim=-1).indices
         gates = scores.gather(-1, idx)
         # Softmax gates stay the top-k probabilities (GShard sec. 2.2 keeps them, Switch sec. 2.1 gates by p_i):
@@ -639,11 +644,12 @@ def train(argv=None):
             model.train()
             a2a.take_mb(), meter.take_mb()  # validation traffic is not part of a training step
             a2a.seconds = 0.0
+    gpt2.check_finite_weights(model.parameters(), args.steps - 1)  # every rank: its own experts too
     state = full_state_dict(model, ep_group, ep)  # a collective: every rank takes part, rank 0 writes
     if ctx.master:
-        moe = {k: getattr(args, k) for k in ("experts", "top_k", "gate", "norm_topk", "shared_expert", "max_ranks_per_token")}
-        torch.save({"config": cfg.__dict__, "moe": {**moe, "route_ranks": ep}, "model": state},
-                   os.path.join(args.out, "model.pt"))
+        moe = {k: getattr(args, k) for k in ("experts", "top_k", "gate", "norm_topk", "shared_expert", "route_groups",
+                                             "groups_per_token")}
+        gpt2.save_model(os.path.join(args.out, "model.pt"), cfg, state, moe=moe)
     metrics.plot()
     if ctx.master and loads:
         plot_expert_load(loads, args, os.path.join(args.out, "expert_load.png"))
@@ -763,19 +769,24 @@ def check_args(args, world):
         # ST-MoE's z-loss keeps the softmax's logits small, so exp() neither overflows nor rounds the
         # probabilities away; a sigmoid router has no softmax to protect (DeepSeek-V3 uses none)
         args.z_loss = 1e-3 if args.gate == "softmax" else 0.0
-    if args.max_ranks_per_token and not 1 <= args.max_ranks_per_token <= args.ep:
-        gpt2.fail(f"--max-ranks-per-token {args.max_ranks_per_token} is outside [1, --ep {args.ep}]",
-                  "--max-ranks-per-token", "give 0 (off) or a number of EP ranks")
-    if args.max_ranks_per_token and args.max_ranks_per_token * (args.experts // args.ep) < args.top_k:
-        gpt2.fail(f"--max-ranks-per-token {args.max_ranks_per_token} ranks hold {args.max_ranks_per_token * (args.experts // args.ep)}"
-                  f" experts, fewer than --top-k {args.top_k}", "--max-ranks-per-token", "allow more ranks per token")
-    if args.seq_aux_coef < 0:
-        gpt2.fail(f"--seq-aux-coef is {args.seq_aux_coef}", "--seq-aux-coef", "give 0 (off) or a positive coefficient")
+    G, M = args.route_groups, args.groups_per_token
+    if bool(G) != bool(M):
+        gpt2.fail(f"--route-groups {G} with --groups-per-token {M}", "--route-groups/--groups-per-token",
+                  "give both (node-limited routing) or neither")
+    if G and (G < 1 or args.experts % G or G % args.ep):
+        gpt2.fail(f"--route-groups {G} does not split {args.experts} experts into groups that each sit on one of "
+                  f"--ep {args.ep} ranks", "--route-groups", "give a divisor of --experts that is a multiple of --ep")
+    if M and not 1 <= M < G:
+        gpt2.fail(f"--groups-per-token {M} is outside [1, --route-groups {G})", "--groups-per-token",
+                  "allow fewer groups than there are (all of them is no limit)")
+    if M and M * (args.experts // G) < args.top_k:
+        gpt2.fail(f"--groups-per-token {M} groups hold {M * (args.experts // G)} experts, fewer than --top-k "
+                  f"{args.top_k}", "--groups-per-token", "allow more groups per token")
+    for flag in ("aux_coef", "z_loss", "seq_aux_coef", "bias_rate"):  # a negative one rewards imbalance
+        gpt2.check_range(getattr(args, flag), "--" + flag.replace("_", "-"), 0, todo="give 0 (off) or a positive coefficient")
+    gpt2.check_range(args.capacity_factor, "--capacity-factor", 0, todo="give 0 (dropless) or a positive factor")
     if args.overlap_shared and not args.shared_expert:
         gpt2.fail("--overlap-shared without a shared expert to overlap", "--overlap-shared", "add --shared-expert")
-    if args.capacity_factor < 0:
-        gpt2.fail(f"--capacity-factor is {args.capacity_factor}", "--capacity-factor",
-                  "give 0 (dropless) or a positive factor")
 
 
 def make_parser():
@@ -796,8 +807,10 @@ def make_parser():
     a("--bias-rate", type=float, default=1e-3, help="gamma: bias update speed of --balance bias")
     a("--dispatch", default="expert", choices=["expert", "rank"], help="send a token once per chosen expert, or once "
       "per destination rank (DeepSeek-V3: the receiver fans out to its local experts and sums)")
-    a("--max-ranks-per-token", type=int, default=0, help="node-limited routing (DeepSeek-V3 sec. 2.1.2): a token's "
-      "experts come from at most M EP ranks; 0 = off")
+    a("--route-groups", type=int, default=0, help="node-limited routing (DeepSeek-V3 sec. 2.1.2): the experts in G "
+      "groups (a multiple of --ep: each group on one rank); 0 = off")
+    a("--groups-per-token", type=int, default=0, help="node-limited routing: a token's experts come from at most M "
+      "of the --route-groups groups (so at most M ranks)")
     a("--seq-aux-coef", type=float, default=0.0, help="alpha of DeepSeek-V3's sequence-wise balance loss (0 = off)")
     a("--grouped-gemm", action="store_true", help="run the local experts as grouped GEMMs (torch._grouped_mm where "
       "available, a batched matmul elsewhere)")
@@ -811,14 +824,23 @@ def load_moe(path, device="cpu"):
     or evaluation. gpt2.load_for_inference builds a dense GPT-2 and cannot read it."""
     if not os.path.exists(path):
         gpt2.fail(f"{path} does not exist", "--init-from", "give the model.pt of a finished moe_ep.py run")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:  # not a torch.save file at all
+        gpt2.fail(f"{path} is not a model.pt ({type(e).__name__})", "--init-from",
+                  "give the model.pt of a finished moe_ep.py run")
+    if not isinstance(ckpt, dict) or not {"config", "model"} <= ckpt.keys():
+        gpt2.fail(f"{path} is not a model.pt written by this project", "--init-from",
+                  "give the model.pt of a finished moe_ep.py run")
+    if "moe" not in ckpt:
+        gpt2.fail(f"{path} holds a dense GPT-2, not an MoE", "--init-from",
+                  f"sample it with `python gpt2.py sample --init-from {path}`")
     cfg = gpt2.GPTConfig(**ckpt["config"])
     model = gpt2.GPT(cfg)
     moe = ckpt["moe"]
     args = argparse.Namespace(**moe, ep=1, capacity_factor=0.0, seed=0)
     for i, block in enumerate(model.h):
         block.mlp = MoE(cfg, args, i, model.init_weights)
-        block.mlp.route_ranks = moe["route_ranks"]  # node-limited routing keeps the training layout's ranks
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval()
 

@@ -94,6 +94,16 @@ CASES += [  # pipeline
 ]
 
 CASES += [  # moe_ep
+    ("moe_ep", ["--aux-coef", "-1"], {}, "(--aux-coef)"),
+    ("moe_ep", ["--bias-rate", "-1", "--balance", "bias"], {}, "(--bias-rate)"),
+    ("moe_ep", ["--z-loss", "-1"], {}, "(--z-loss)"),
+    ("moe_ep", ["--z-loss", "nan"], {}, "(--z-loss)"),
+    ("moe_ep", ["--seq-aux-coef", "-1"], {}, "(--seq-aux-coef)"),
+    ("moe_ep", ["--capacity-factor", "nan"], {}, "(--capacity-factor)"),
+    ("moe_ep", ["--capacity-factor", "-1"], {}, "(--capacity-factor)"),
+    ("moe_ep", ["--route-groups", "3", "--groups-per-token", "1"], {}, "(--route-groups)"),
+    ("moe_ep", ["--route-groups", "2"], {}, "(--route-groups/--groups-per-token)"),
+    ("moe_ep", ["--route-groups", "2", "--groups-per-token", "2"], {}, "(--groups-per-token)"),
 ]
 
 CASES += [  # fp8
