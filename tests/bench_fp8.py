@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=1 tests/bench_fp8.py          (or: python tests/bench_fp8.py)
     python tests/bench_fp8.py --formats [--data DIR --out DIR --steps 100]   (issue 19)
     python tests/bench_fp8.py --per-rank-124m                                (GPT-2 124M at 8 ranks)
+    python tests/bench_fp8.py --scaled-mm-check   (GPU: the real block-scaled _scaled_mm vs the emulation)
 
 On a GPU with fp8 tensor cores (sm_89+):
   1. GEMM TFLOP/s at 4096^3 and 8192^3: bf16 torch.matmul; PyTorch's built-in torch._scaled_mm with one
@@ -369,6 +370,39 @@ def print_per_rank_124m():
         print(f"{r['setup']:22s} {r['comm_MB']:8.1f} {r['comm_MB_closed']:8.1f} {r['params_MB']:8.1f} {r['grads_MB']:8.1f} "
               f"{r['optim_MB']:8.1f} {r['mem_MB_closed']:8.1f} {r['act_MB']:9.1f}   {r['how'].split('(+ ')[1][:-1]}")
     print(f"(MB per rank per optimizer step, B=16, T=1024; {rows[0]['how']})")
+
+
+def scaled_mm_check(dev="cuda"):
+    """Issue 24: the block-scaled torch._scaled_mm call, as fp8.py builds it (fp8.block_scaled_mm, no fallback),
+    against the CPU emulation on the same fp8 bytes, in Fp8Linear's three orientations; K/128 = 6 (not a
+    multiple of 4: cuBLAS's padded scale rows). The CPU tests check these arguments only against a mock
+    written from the same reading of cuBLAS; this is the real call. Exit 1 unless every case is within 1e-2."""
+    torch.manual_seed(0)
+    x, w, dy = torch.randn(1024, 768), torch.randn(640, 768), torch.randn(1024, 640)
+    (xq, xs), (wq, ws), (dyq, dys) = fp8.quantize_1x128(x), fp8.quantize_128x128(w), fp8.quantize_1x128(dy)
+    (dytq, dyts), (xtq, xts) = fp8.quantize_1x128(dy.t()), fp8.quantize_1x128(x.t())
+    ok = True
+    for name, (a, sa, b, sb) in (("forward x @ W^T", (xq, xs, wq, ws)), ("dgrad dy @ W", (dyq, dys, wq.t(), ws.t())),
+                                 ("wgrad dy^T @ x", (dytq, dyts, xtq, xts))):
+        want = fp8._fp8_matmul_emulated(a, sa, b, sb)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            try:
+                got = fp8.block_scaled_mm(*(t.to(dev) for t in (a, sa, b, sb)), out_dtype).float().cpu()
+                err = rel_err(got, want)
+                line = f"{err:.2e} " + ("PASS" if err < 1e-2 else "FAIL")
+                ok &= err < 1e-2
+            except (RuntimeError, NotImplementedError, ValueError) as e:
+                line, ok = f"FAIL: {str(e).splitlines()[0][:120]}", False
+            print(f"block-scaled _scaled_mm vs emulation, {name:16s} {str(out_dtype)[6:]:8s}: {line}")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if dev == 'cuda' else dev}: " + ("PASS" if ok else "FAIL"))
+    return ok
+
+
+if __name__ == "__main__" and "--scaled-mm-check" in sys.argv:
+    if not torch.cuda.is_available():
+        print("--scaled-mm-check needs a CUDA GPU (sm_90 for block scales); none here")
+        sys.exit(1)
+    sys.exit(0 if scaled_mm_check() else 1)
 
 
 if __name__ == "__main__" and "--per-rank-124m" in sys.argv:

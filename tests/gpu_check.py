@@ -9,7 +9,8 @@ is printed with its error, it does not stop the others. One table, and OUT/gpu_c
   2. Each technique at one rank on NCCL where one rank is meaningful (ddp, fp8 --fp8 on, muon, moe_ep
      --ep 1, checkpoint save + resume): step time and peak memory. fsdp2, tensor_parallel and pipeline
      need two GPUs (NCCL refuses two ranks on one device); they are listed as such.
-  3. tests/bench_fp8.py: the block-scaled `_scaled_mm` call checked against the CPU emulation, fp8 vs
+  3. tests/bench_fp8.py --scaled-mm-check: the real block-scaled `_scaled_mm` (no fallback) vs the emulation
+     in fp8.py's forward/dgrad/wgrad layouts; tests/bench_fp8.py: fp8 vs
      bf16 GEMM TFLOP/s at 4096 and 8192, Fp8Linear fwd+bwd vs nn.Linear.
 What good looks like on one H100 SXM / H200 (goals: no GPU has run this file yet): MFU >= 50% for
 GPT-2 124M at B=16, T=1024 with compile, the flash kernel, ~1.5x fp8 over bf16 GEMM at 8192.
@@ -131,7 +132,11 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
     for name in ("fsdp2.py", "tensor_parallel.py", "pipeline.py"):
         rows.append({"row": name, "ok": None, "error": "needs >= 2 GPUs (NCCL allows one rank per device)"})
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # the real block-scaled call against the emulation (the CPU tests use a mock)
+        r = run_row("fp8 block-scaled _scaled_mm", [sys.executable, "tests/bench_fp8.py", "--scaled-mm-check"],
+                    out("none"), a.row_timeout)
+        rows.append(r)
+        print(r.get("stdout_tail", json.dumps(r)), flush=True)
         r = run_row("bench_fp8.py", [sys.executable, "tests/bench_fp8.py"], out("none"), 2 * a.row_timeout)
         rows.append(r)
 
