@@ -340,9 +340,23 @@ class AsyncCheckpointer:
             return out, event
         return out, None
 
+    def check_finite(self, step, opt):
+        """Every rank, before its snapshot (a collective): a diverged update is never committed, so the
+        newest committed checkpoint, which pruning always keeps, is a finite one."""
+        z = self.zero
+        moments = [opt.state[p][k] for p in z.params for k in ("exp_avg", "exp_avg_sq")]
+        try:
+            gpt2.check_finite_weights([z.flat[z.lo: z.hi], *moments], step - 1, self.ctx.device)
+        except gpt2.UsageError as e:
+            last = f"step {self.committed}, the newest committed checkpoint, is finite and kept" if self.committed \
+                else "nothing was committed"
+            gpt2.fail(str(e).split(" (--lr): ")[0], "--lr", f"{last}; lower --lr (with another --ckpt-dir), "
+                      "keep --grad-clip on, or raise --warmup")
+
     def save(self, step, opt, loader):
         """Block only for the previous save and for the copy to CPU; the rest runs in the background."""
         self.wait()  # a new save waits for the previous one (and reuses its buffers)
+        self.check_finite(step, opt)
         tensors, event = self.snapshot(opt)
         meta = {"step": step, "rank": self.ctx.rank, "world": self.ctx.world, "lo": self.zero.lo,
                 "hi": self.zero.hi, "loader": loader.state_dict(), "config": self.zero.config}
@@ -389,6 +403,7 @@ class AsyncCheckpointer:
                 self.error = (step, mine, True) if ctx.master else (step, "rank 0 could not commit the manifest", False)
                 return
             self.committed = step
+            gpt2.RUN["resume"] = f"rerun the same command; it resumes from the newest committed checkpoint in {self.args.ckpt_dir}"
         except BaseException as e:  # the handshake itself failed (a peer died)
             self.error = (step, f"{e.__class__.__name__}: {e}", True)
 
@@ -613,6 +628,8 @@ def main(argv=None):
     start = load_latest(args, zero, opt, train_loader, ctx)
     if ckpt:
         ckpt.committed = start
+        gpt2.RUN["resume"] = (f"rerun the same command; it resumes from the newest committed checkpoint in {args.ckpt_dir}"
+                              if start else f"no checkpoint was committed yet; delete {args.out} to start over")
     if start >= args.steps:
         print0(f"checkpoint at step {start} >= --steps {args.steps}: nothing left to train")
         if own_group:
@@ -687,20 +704,26 @@ def parse_args(argv):
                    help="when --ckpt-dir holds checkpoints and none verifies, train from step 0 instead of stopping")
     args = p.parse_args(argv)
     gpt2.check_args(args)
-    if args.keep < 1:
-        gpt2.fail(f"--keep is {args.keep}", "--keep", "keep at least the newest checkpoint")
-    if args.save_every < 0:
-        gpt2.fail(f"--save-every is {args.save_every}", "--save-every", "give 0 (never) or a number of steps")
+    gpt2.check_range(args.keep, "--keep", 1, todo="keep at least the newest checkpoint")
+    gpt2.check_range(args.save_every, "--save-every", 0, todo="give 0 (never) or a number of steps")
+    gpt2.check_range(args.fail_at, "--fail-at", -1, todo="give -1 (never) or a step")
     if args.save_every and not args.ckpt_dir:
         gpt2.fail("--save-every without a directory to save into", "--ckpt-dir", "add --ckpt-dir DIR")
+    old = [n for n in ("metrics.jsonl", "model.pt") if os.path.exists(os.path.join(args.out, n))]
+    if old and not committed_steps(args.ckpt_dir):  # gpt2.setup(resumes=True) leaves this check to us
+        gpt2.fail(f"{args.out} holds an earlier run ({', '.join(old)}) and " + (f"{args.ckpt_dir} no committed checkpoint"
+                  if args.ckpt_dir else "no --ckpt-dir was given") + " to resume it from", "--out", "choose a new --out, give the --ckpt-dir that run saved "
+                  "into, or delete that directory to start over")
     if args.ckpt_dir:
-        try:
-            os.makedirs(args.ckpt_dir, exist_ok=True)
-        except OSError as e:
-            gpt2.fail(f"cannot create {args.ckpt_dir}: {e.strerror}", "--ckpt-dir", "give a writable directory")
         if int(os.environ.get("RANK", 0)) == 0:  # one run per directory: a second would resume our commits
             gpt2.lock_dir(args.ckpt_dir, "--ckpt-dir")  # and prune our in-flight saves
+        else:
+            gpt2.make_dir(args.ckpt_dir, "--ckpt-dir")
     return args
+
+
+def committed_steps(ckpt_dir):
+    return [s for s in list_checkpoints(ckpt_dir or "") if os.path.exists(os.path.join(step_dir(ckpt_dir, s), "manifest.json"))]
 
 
 if __name__ == "__main__":

@@ -113,6 +113,9 @@ CASES += [  # muon
 ]
 
 CASES += [  # checkpoint
+    ("checkpoint", ["--keep", "0"], {}, "(--keep)"),
+    ("checkpoint", ["--ckpt-dir", "{tmp}/ck", "--save-every", "-1"], {}, "(--save-every)"),
+    ("checkpoint", ["--fail-at", "-2"], {}, "(--fail-at)"),
 ]
 
 

@@ -6,6 +6,7 @@ changed schedule, a failed background save - each a one-line error or a fallback
 import errno
 import json
 import os
+import re
 import socket
 import shutil
 import signal
@@ -15,6 +16,7 @@ import time
 import zlib
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import checkpoint
@@ -339,3 +341,60 @@ def test_compile_and_bf16_one_process(straight, shakespeare, tmp_path):
     checkpoint.main(flags(shakespeare, str(tmp_path / "ck16"), 8, "--steps", "3", "--dtype", "bfloat16"))
     gpt2.train(flags(shakespeare, str(tmp_path / "gpt2_16"), 8, "--steps", "3", "--dtype", "bfloat16"))
     assert max_rel_diff(train_losses(str(tmp_path / "ck16")), train_losses(str(tmp_path / "gpt2_16"))) <= 1e-5  # 1.8e-7
+
+
+def committed_tensors(d):
+    """Every shard of the committed checkpoint in step directory d, read and verified."""
+    with open(f"{d}/manifest.json") as f:
+        man = json.load(f)
+    return [checkpoint.read_shard(f"{d}/{sh['file']}", sh["bytes"], sh["crc32"])[0] for sh in man["shards"]]
+
+
+def test_a_diverged_step_is_never_committed_and_the_last_finite_one_is_kept(shakespeare, tmp_path, capsys):
+    # issue 25's command (the default tiny model): the update of step 1 leaves 669,440 weights non-finite while
+    # its loss, computed before that update, is finite (232664.9); --keep 1 used to prune step 1 for the NaN step 2
+    ck = str(tmp_path / "ck")
+    code, out, err = cli(["--data", shakespeare, "--seq-len", "64", "--batch-size", "4", "--device", "cpu", "--dtype",
+                          "float32", "--eval-every", "0", "--out", str(tmp_path / "out"), "--ckpt-dir", ck, "--save-every",
+                          "1", "--keep", "1", "--grad-clip", "0", "--lr", "1e3", "--steps", "2"], capsys)
+    assert code == 2 and err == ("error: the weights are not finite after step 1 (5 of 5 tensors on rank 0 hold NaN or Inf) "
+                                 "(--lr): step 1, the newest committed checkpoint, is finite and kept; lower --lr (with "
+                                 "another --ckpt-dir), keep --grad-clip on, or raise --warmup\n"), err
+    assert steps_in(ck) == ["step_000001"]  # nothing of step 2 was written, and step 1 was not pruned
+    (shard,) = committed_tensors(f"{ck}/step_000001")
+    assert all(shard[k].isfinite().all() for k in ("params", "exp_avg", "exp_avg_sq"))
+
+
+def test_ctrl_c_is_one_line_releases_the_locks_and_resumes_bit_exact(shakespeare, tmp_path, capsys):
+    ck, out_dir = str(tmp_path / "ck"), str(tmp_path / "out")
+    argv = flags(shakespeare, out_dir, 8, "--ckpt-dir", ck, "--save-every", "2", "--steps", "8")
+    proc = subprocess.Popen([sys.executable, "checkpoint.py", *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 300
+        while not os.path.exists(f"{ck}/step_000002/manifest.json"):  # a checkpoint is committed: training goes on
+            assert time.time() < deadline and proc.poll() is None, "the run ended before Ctrl-C"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1, err
+    assert re.fullmatch(rf"interrupted after step \d+: rerun the same command; it resumes from the newest committed "
+                        rf"checkpoint in {re.escape(ck)}", lines[0]), lines[0]
+    assert not os.path.exists(f"{ck}/LOCK") and not os.path.exists(f"{out_dir}/LOCK")
+    # an --out holding that run is refused when there is nothing to resume it from
+    for extra in (["--ckpt-dir", str(tmp_path / "empty")], []):
+        code, _, err = cli(flags(shakespeare, out_dir, 8, *extra), capsys)
+        assert code == 2 and err.startswith(f"error: {out_dir} holds an earlier run (metrics.jsonl) and ") and \
+            err.count("\n") == 1 and "(--out): choose a new --out" in err, err
+    # the same command resumes and ends on the uninterrupted curve, bit for bit (one thread, as the killed run)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert cli(argv, capsys)[0] == 0
+        checkpoint.main(flags(shakespeare, str(tmp_path / "straight"), 8, "--steps", "8"))
+    finally:
+        torch.set_num_threads(threads)
+    assert train_losses(out_dir) == train_losses(str(tmp_path / "straight"))
