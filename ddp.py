@@ -18,7 +18,8 @@ Bytes sent per rank per step: 2(N-1)/N x 4P (ring all-reduce of fp32 gradients, 
 step whatever --grad-accum. Memory per rank: 4P params + 4P grads + 8P AdamW = 16P (+ activations).
 Beyond the core (after the banner): ZeRO-1 (--zero 1: each rank keeps the optimizer state of 1/N of every
 bucket: 4P + 4P + 8P/N) and ZeRO-2 (--zero 2: and only its 1/N of the gradients: 4P + 4P/N + 8P/N + the
-buckets in flight), with the same bytes (reduce-scatter + all-gather = all-reduce).
+buckets in flight), with the same bytes (reduce-scatter + all-gather = all-reduce; but ZeRO-2 has no full
+gradient to accumulate into, so it reduce-scatters every micro-step: (k+1)(N-1)/N x 4P at --grad-accum k).
 
 Launch (the flags of `python gpt2.py train`; --batch-size is per rank; CPU: gloo, GPU: NCCL):
     torchrun --nproc_per_node=2 ddp.py --batch-size 4 --out out/ddp     # after `python gpt2.py prepare shakespeare`
