@@ -756,7 +756,8 @@ def run_main(main, argv=None):
         elif "TORCHELASTIC_RUN_ID" in os.environ:
             time.sleep(3)  # torchrun stops every rank when one exits: give rank 0 the time to print its line
         remove_created_dirs()
-        sys.exit(2)  # without destroying the group: a peer may be gone, and NCCL's teardown would wait for it
+        end_gloo_group()
+        sys.exit(2)
     except RuntimeError as e:  # torch's DistBackendError / DistNetworkError, gloo's lost connections
         if not (dist.is_initialized() and peer_lost(e)):
             raise  # a bug: its traceback
@@ -772,9 +773,18 @@ def run_main(main, argv=None):
             step = RUN["step"]
             at = f"after step {step}" if step is not None else "before the first step"
             print(f"interrupted {at}: {RUN['resume']}", file=sys.stderr, flush=True)
+        end_gloo_group()
         sys.exit(130)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def end_gloo_group():
+    """Leaving with a gloo group alive can abort the process at exit ("terminate called without an active
+    exception"); gloo's teardown is local. NCCL's is not (it may wait for a peer that is gone): left alone."""
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def peer_lost(e):
