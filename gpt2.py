@@ -876,7 +876,7 @@ def check_args(args):
     for flag, v in vars(args).items():  # one rule for every float flag of every file: finite
         if isinstance(v, float) and not math.isfinite(v):
             fail(f"--{flag.replace('_', '-')} is {v}", f"--{flag.replace('_', '-')}", "give a finite number")
-    if getattr(args, "lr", 1.0) <= 0:
+    if not 0 < getattr(args, "lr", 1.0) <= torch.finfo(torch.float32).max:  # the optimizers compute in fp32
         fail(f"--lr is {args.lr}", "--lr", "give a positive learning rate (GPT-2 124M: 6e-4)")
     if getattr(args, "grad_clip", 0.0) < 0 or getattr(args, "weight_decay", 0.0) < 0:
         fail("a negative --grad-clip or --weight-decay", "--grad-clip/--weight-decay",

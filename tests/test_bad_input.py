@@ -19,10 +19,11 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script too
+for _path in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))):
+    if _path not in sys.path:  # run as a script too; under pytest --impl DIR, DIR stays first
+        sys.path.append(_path)
 import gpt2  # noqa: E402
-from harness import ROOT, free_port  # noqa: E402
+from harness import ROOT, free_port, launch_env, script  # noqa: E402
 
 SMALL = ["--seq-len", "32", "--batch-size", "2", "--steps", "2", "--eval-every", "0"]
 W2 = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
@@ -65,6 +66,8 @@ CASES = [
 
 # Each file's own rows (issue 25 and later), one block per file.
 CASES += [  # gpt2
+    ("gpt2", ["--lr", "1e39"], {}, "(--lr)"),
+    ("gpt2", ["--weight-decay", "nan"], {}, "(--weight-decay)"),
 ]
 
 CASES += [  # ddp
@@ -256,12 +259,12 @@ def test_ctrl_c_is_one_line_and_exit_130(random_data, tmp_path):
 
 def test_error_is_printed_once_by_torchrun_and_without_traceback(random_data, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "ddp.py", *SMALL, "--data", random_data, "--out", str(tmp_path), "--lr", "0"]
+           script("ddp.py"), *SMALL, "--data", random_data, "--out", str(tmp_path), "--lr", "0"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env=launch_env())
     ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert proc.returncode != 0 and ours == ["error: --lr is 0.0 (--lr): give a positive learning rate (GPT-2 124M: 6e-4)"]
-    assert 'File "' + os.path.join(ROOT, "ddp.py") not in proc.stderr  # torchrun's own summary may follow
+    assert 'File "' + os.path.join(ROOT, script("ddp.py")) not in proc.stderr  # torchrun's own summary may follow
 
 
 def test_prepare_fineweb_edu_offline_is_one_line(tmp_path, monkeypatch):
@@ -284,7 +287,7 @@ def _start_training(out, data, extra=()):
     cmd = [sys.executable, "gpt2.py", "train", *SMALL[:4], "--steps", "100000", "--eval-every", "0",
            "--data", data, "--out", str(out), *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env=launch_env())
 
 
 def _wait_for(pred, seconds, what):
@@ -325,9 +328,9 @@ def test_second_run_in_the_same_out_is_refused_and_a_stale_lock_is_taken(random_
 def test_rank_stops_when_its_launcher_dies(random_data, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-           "ddp.py", *SMALL[:4], "--steps", "100000", "--eval-every", "0", "--data", random_data, "--out", str(out)]
+           script("ddp.py"), *SMALL[:4], "--steps", "100000", "--eval-every", "0", "--data", random_data, "--out", str(out)]
     launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                                env=launch_env(), start_new_session=True)
     try:
         _wait_for(lambda: (out / "metrics.jsonl").exists(), 90, "the first step")
         worker = int((out / "LOCK").read_text().split()[1])
