@@ -442,7 +442,7 @@ class SequenceParallelGrid(Grid):
 
 # --overlap-comm (Megatron-LM's async tensor-parallel all-reduce, core/tensor_parallel/layers.py): f's backward
 # all-reduce of dX is issued before the dW matmul so the two may overlap; the forward all-reduces stay exposed.
-# On CUDA the order holds only with CUDA_DEVICE_MAX_CONNECTIONS=1 (main sets it); on 2 CPU cores: 1.00x (bench).
+# On CUDA the order holds only with CUDA_DEVICE_MAX_CONNECTIONS=1 (main sets it); 2 CPU cores: 0.98-1.00x (bench).
 
 
 class LinearOverlapAllReduce(torch.autograd.Function):
