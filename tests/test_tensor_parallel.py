@@ -396,3 +396,18 @@ def test_tp_larger_than_a_node_is_warned(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     tp.warn_tp_across_nodes(4)
     assert capsys.readouterr().out == ""
+
+
+def test_overlap_comm_orders_cuda_work(monkeypatch, capsys):
+    """--overlap-comm needs CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM) for dX's all-reduce to run before the
+    dW matmul: set while CUDA has not started and the user set nothing; otherwise one warning line."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    tp.order_comm_before_compute()
+    assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and capsys.readouterr().out == ""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # the user's own value is kept, and warned about
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    tp.order_comm_before_compute()
+    out = capsys.readouterr().out
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8" and out.count("\n") == 1 and out.startswith("warning: "), out
