@@ -85,6 +85,10 @@ CASES += [  # fsdp2
 ]
 
 CASES += [  # tensor_parallel
+    ("tensor_parallel", ["--tp", "0"], W2, "(--tp)"),
+    ("tensor_parallel", ["--tp", "3"], {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}, "(--tp)"),
+    ("tensor_parallel", ["--tp", "2", "--sequence-parallel", "--seq-len", "31"], W2, "(--sequence-parallel)"),
+    ("tensor_parallel", ["--tp", "2", "--overlap-comm", "--lr", "inf"], W2, "(--lr)"),
 ]
 
 CASES += [  # pipeline
