@@ -129,24 +129,25 @@ class ShardedUnit:
 
 
 class FullyShardedModel(nn.Module):
-    """`module` sharded unit by unit, used like fully_shard: fsdp(x, ...) runs forward_fn (default module),
-    parameters() are this rank's shards (.grad set when backward ends), .module is the model. units: in
-    the order forward runs them (prefetch follows it; backward, its reverse), by default the blocks of
-    the model's first nn.ModuleList; the root (the other parameters, a tied weight) stays gathered
-    through forward and backward, as in FSDP2. The model computes with the gathered parameters swapped in.
+    """`module` sharded unit by unit, used like fully_shard: fsdp(x, ...) runs forward_fn (default module)
+    with the gathered parameters swapped in; parameters() are this rank's shards (.grad set when backward
+    ends); .module is the model. units: in the order forward runs them (prefetch follows it, backward its
+    reverse), by default the blocks of the model's first nn.ModuleList; the root (the other parameters)
+    stays gathered through forward and backward, as in FSDP2. A tied weight sits in one unit or the root.
         fsdp = FullyShardedModel(model); opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
         fsdp(x, y).backward(); opt.step(); opt.zero_grad()"""
     unit_type = ShardedUnit
 
     def __init__(self, module, units=None, group=None, param_dtype=torch.float32, forward_fn=None):
         super().__init__()
-        object.__setattr__(self, "module", module)  # not a submodule: parameters() yields the shards only
-        self.forward_fn, self.group, self.param_dtype = forward_fn or module, group, param_dtype
+        # plain attributes, the model not a submodule: parameters() yields the shards only
+        self.__dict__.update(module=module, forward_fn=forward_fn or module, group=group, param_dtype=param_dtype)
         if units is None:
             units = next((list(m) for m in module.modules() if isinstance(m, nn.ModuleList)), [])
         groups = [list(m.parameters()) for m in units]  # a tie inside a unit is listed once
         owned = {id(p) for params in groups for p in params}
-        assert all(groups) and len(owned) == sum(map(len, groups)), "a unit without parameters, or a tie across units"
+        if not all(groups) or len(owned) < sum(map(len, groups)):
+            raise ValueError("a unit holds no parameters, or shares one with another unit (tie inside one, or root)")
         rest = [p for p in module.parameters() if id(p) not in owned]
         self.root = self.unit_type(rest, group, param_dtype) if rest else None
         self.units = [self.unit_type(params, group, param_dtype) for params in groups]
