@@ -104,9 +104,10 @@ def peak_memory(pipe, x, y, M, device):
 
     def sampled(fn):
         def run(*a):
-            fn(*a)
+            out = fn(*a)
             peak[0] = max(peak[0], memory_now(device))
             w_peak[0] = max(w_peak[0], w_state_bytes(pipe))
+            return out
         return run
     for name, fn in ops.items():
         setattr(pipe, name, sampled(fn))
