@@ -55,33 +55,36 @@ def memory_now(device):
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class Before(pl.Pipeline):
-    """pipeline.py as it was before its memory hygiene: every stage output it sends stays referenced until
+def before(cls):
+    """cls as pipeline.py was before its memory hygiene: every stage output it sends stays referenced until
     the end of the step, the I/W tape keeps each matmul's output (the logits among them), messages are fp32."""
+    class Before(cls):
+        def __init__(self, *a):
+            self.kept = []
+            super().__init__(*a)
+            self.wire_dtype = torch.float32
 
-    def __init__(self, *a):
-        super().__init__(*a)
-        self.wire_dtype, self.kept = torch.float32, []
+        def send(self, message, batch):
+            if message is not None:
+                self.kept.append(message[1])
+            super().send(message, batch)
 
-    def _send(self, key, tensor):
-        self.kept.append(tensor)
-        super()._send(key, tensor)
+        def _record_inputs(self, module):
+            super()._record_inputs(module)
+            recorded = module.forward
 
-    def _record_inputs(self, module):
-        super()._record_inputs(module)
-        recorded = module.forward
+            def keep_output(x):
+                y = recorded(x)
+                if self._tape is not None:
+                    self.kept.append(y)
+                return y
+            module.forward = keep_output
 
-        def keep_output(x):
-            y = recorded(x)
-            if self._tape is not None:
-                self.kept.append(y)
-            return y
-        module.forward = keep_output
-
-    def run(self, *a, **k):
-        out = super().run(*a, **k)
-        self.kept = []
-        return out
+        def run(self, *a, **k):
+            out = super().run(*a, **k)
+            self.kept = []
+            return out
+    return Before
 
 
 def w_state_bytes(pipe):
@@ -96,14 +99,15 @@ def w_state_bytes(pipe):
 
 def peak_memory(pipe, x, y, M, device):
     """Run one step, sampling memory after every op; returns (peak above the step's start, peak W state) in MB."""
-    ops = {name: getattr(pipe, name) for name in ("_forward", "_backward", "_weight")}
+    ops = {name: getattr(pipe, name) for name in ("_forward", "_backward", "_input_grad", "_weight") if hasattr(pipe, name)}
     peak, w_peak = [0], [0]
 
     def sampled(fn):
         def run(*a):
-            fn(*a)
+            out = fn(*a)
             peak[0] = max(peak[0], memory_now(device))
             w_peak[0] = max(w_peak[0], w_state_bytes(pipe))
+            return out
         return run
     for name, fn in ops.items():
         setattr(pipe, name, sampled(fn))
@@ -168,8 +172,8 @@ def main():
             continue
         pl.check_args(args, world)
         mem = {"before": (float("nan"), float("nan"))}
-        for kind, cls in (("before", Before), ("now", pl.Pipeline))[args.quick:]:
-            pipe = cls(args, ctx, P, gpt2.CommMeter())
+        for kind, cls in (("before", before(pl.PIPELINES[name])), ("now", pl.PIPELINES[name]))[args.quick:]:
+            pipe = pl.build_pipeline(args, ctx, P, gpt2.CommMeter(), cls)
             peak_memory(pipe, x, y, M, ctx.device)  # warm-up: first-touch allocations
             mem[kind] = peak_memory(pipe, x, y, M, ctx.device)
         peaks = [None] * world
@@ -253,7 +257,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
             "--dtype", "bfloat16", "--out", os.path.join("out", "per_rank_124m")])
         ctx = gpt2.Context(0, world, 0, torch.device("cpu"), torch.bfloat16, True)
         comm = gpt2.CommMeter()
-        pipe = pl.Pipeline(args, ctx, P, comm)
+        pipe = pl.build_pipeline(args, ctx, P, comm)
         params = list(pipe.model.parameters())
         param_ptrs = {p.data_ptr() for p in params}
         param_shapes = {tuple(p.shape) for p in params}  # and their bf16 copies that autocast saves
