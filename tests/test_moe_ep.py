@@ -427,6 +427,11 @@ def test_two_ranks_deepseek_options_bf16_compile(bigram_data, tmp_path):
     assert max_rel_diff(loss(opt_ref), loss(unlimited)) > 1e-5, (loss(opt_ref), loss(unlimited))
     load = lambda recs: [r["expert_load"] for r in recs if "loss" in r]
     assert load(opt) == load(opt_ref) != load(unlimited)  # EP=2 routes token for token as one rank, not as unlimited
+    # model.pt keeps the groups: the loaded model (sampling) routes as training did
+    layer = moe_ep.load_moe(str(tmp_path / "opt" / "model.pt")).h[0].mlp
+    assert type(layer) is moe_ep.DeepSeekMoE and (layer.route_groups, layer.groups_per_token) == (2, 1)
+    groups = layer.route(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)))[2] // 2
+    assert (groups == groups[:, :1]).all()  # both of a token's experts from one group
     assert all(r["a2a_mb"] == r["a2a_mb_closed"] for r in opt if "loss" in r)
     print("bf16 EP=2 vs one rank, max rel diff", max_rel_diff(loss(ep2), loss(ref)))
     assert len(loss(ref)) == 2 and max_rel_diff(loss(ep2), loss(ref)) <= 1e-4, (loss(ep2), loss(ref))
