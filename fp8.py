@@ -66,12 +66,12 @@ GPT-2 124M at 8 ranks (B=16, T=1024, bf16 autocast; python tests/bench_fp8.py --
     fp32 gradients in one flat bucket and divides by the world size -> identical optimizer steps everywhere
 
 Launch:
-    torchrun --nproc_per_node=2 fp8.py --fp8 off --device cpu --steps 60 --seq-len 64 --out out/fp8
-    torchrun --nproc_per_node=2 fp8.py --fp8 on  --device cpu --steps 60 --seq-len 64 --out out/fp8
-        -> the second run draws out/fp8/fp8_vs_baseline.png and prints the final-loss gap
+    torchrun --nproc_per_node=2 fp8.py --fp8 off --device cpu --steps 60 --seq-len 64 --out out/fp8_off
+    torchrun --nproc_per_node=2 fp8.py --fp8 on  --device cpu --steps 60 --seq-len 64 --out out/fp8_on --compare-with out/fp8_off
+        -> the second run prints the final-loss gap and draws out/fp8_on/fp8_vs_baseline.png
     torchrun --nproc_per_node=8 fp8.py --fp8 on --model gpt2 --data data/fineweb10B --batch-size 16 --seq-len 1024 --grad-accum 4
-    torchrun --nproc_per_node=2 fp8.py --format nvfp4 --device cpu --steps 60 --seq-len 64 --out out/fp8
-        -> out/fp8/nvfp4_vs_baseline.png (metrics_fp8_<off|on|mxfp8|nvfp4>.jsonl: one curve per format)
+    torchrun --nproc_per_node=2 fp8.py --format nvfp4 --device cpu --steps 60 --seq-len 64 --out out/fp8_nvfp4 --compare-with out/fp8_off
+        -> out/fp8_nvfp4/nvfp4_vs_baseline.png
     python tests/bench_fp8.py          # fp8 vs bf16 GEMM TFLOP/s on a GPU; emulation accuracy on CPU
     python tests/bench_fp8.py --formats   # per format: GEMM error, loss gap, out/bench_fp8/fp8_formats.png
 
@@ -513,11 +513,15 @@ def train(argv=None):
                    help=f"comma-separated subset of {','.join(NVFP4_RECIPE)} or 'none' (default: all of them) "
                         "for --format nvfp4: Hadamard on wgrad inputs, stochastic rounding of gradients, "
                         "the last ~15%% of blocks in high precision")
+    p.add_argument("--compare-with", default=None, metavar="DIR",
+                   help="the --out of a finished run of the same length (e.g. --fp8 off): print the final-loss "
+                        "gap to it and draw OUT/<fp8|mxfp8|nvfp4|off>_vs_baseline.png")
     args = p.parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     # validate everything before the first collective: a bad flag fails every rank, none hangs
     gpt2.check_args(args)
     recipe = check_format(args)
+    baseline = read_baseline(args)  # --compare-with's records, checked before any collective
     cfg = gpt2.model_config(args)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.fp8 == "on" and args.format == "deepseek" and use_cuda:  # mxfp8/nvfp4 are emulated on any GPU
@@ -527,7 +531,7 @@ def train(argv=None):
                       "use --fp8 off, or --device cpu to emulate")
     train_loader, val_loader = gpt2.make_loaders(args, rank, world, cfg.vocab_size)
 
-    ctx = gpt2.setup(args, resumes=True)  # the comparison keeps each mode's curve in one OUT (metrics_fp8_<mode>.jsonl)
+    ctx = gpt2.setup(args)
     model = gpt2.build_model(args)
     if args.fp8 == "on":
         convert_to_fp8(model, args.format, recipe)
@@ -568,8 +572,8 @@ def train(argv=None):
             metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
     metrics.plot()
-    mode = "off" if args.fp8 == "off" else "on" if args.format == "deepseek" else args.format
-    return compare_with_baseline(args, metrics.records, mode) if ctx.master else None
+    mode = "off" if args.fp8 == "off" else "fp8" if args.format == "deepseek" else args.format
+    return compare_with_baseline(args, metrics.records, baseline, mode) if ctx.master else None
 
 
 # ====================================================================================================
@@ -673,57 +677,62 @@ def check_format(args):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The fp8-vs-baseline comparison
+# The fp8-vs-baseline comparison: each run in its own --out, the second names the first
 
 
-def compare_with_baseline(args, records, mode):
-    """Keep this run's curve as OUT/metrics_fp8_<mode>.jsonl (mode: off, on = deepseek tiles, mxfp8, nvfp4);
-    once the baseline (off) and an fp8 run exist in OUT, print the final-loss gap and draw
-    OUT/fp8_vs_baseline.png (deepseek) or OUT/<format>_vs_baseline.png."""
-    with open(os.path.join(args.out, f"metrics_fp8_{mode}.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    others = ["on", "mxfp8", "nvfp4"] if mode == "off" else ["off"]
-    gap = None
-    for other_mode in others:
-        other_path = os.path.join(args.out, f"metrics_fp8_{other_mode}.jsonl")
-        if os.path.exists(other_path):
-            with open(other_path) as f:
-                other = [json.loads(line) for line in f]
-            on_mode = mode if mode != "off" else other_mode
-            gap = _draw_gap(args, *((records, other) if mode != "off" else (other, records)), on_mode, other_path)
-    if gap is None and not any(os.path.exists(os.path.join(args.out, f"metrics_fp8_{m}.jsonl")) for m in others):
-        print0(f"run the same command with --fp8 {'on' if mode == 'off' else 'off'} --out {args.out} to compare")
-    return gap
-
-
-def _draw_gap(args, on_recs, off_recs, on_mode, other_path):
-    on, off = ([(r["step"], r["loss"]) for r in recs if "loss" in r] for recs in (on_recs, off_recs))
-    if not on or not off or on[-1][0] != off[-1][0]:
-        print0(f"{other_path} is a run of a different length: not compared")
+def read_baseline(args):
+    """--compare-with DIR: the train records of DIR/metrics.jsonl, a finished run of --steps steps; checked on
+    every rank before the process group starts (a directory never holds two runs, so the baseline is a
+    run of its own: run it first, then this one with --compare-with)."""
+    if args.compare_with is None:
         return None
-    label = "fp8 tiles" if on_mode == "on" else on_mode
+    path = os.path.join(args.compare_with, "metrics.jsonl")
+    records, why = [], None
+    try:
+        with open(path) as f:
+            records = [json.loads(line) for line in f]
+    except (OSError, ValueError) as e:
+        why = f"{path} cannot be read ({type(e).__name__})"
+    steps = [r["step"] for r in records if "loss" in r]
+    if why is None and len(steps) != args.steps:
+        why = f"{path} holds {len(steps)} training steps, this run has --steps {args.steps}"
+    if not gpt2.agree(why is None):
+        gpt2.fail(why or "rank 0 could not read the baseline", "--compare-with",
+                  "give the --out of a finished run with the same --steps (e.g. python fp8.py --fp8 off --out out/fp8_off)")
+    return records
+
+
+def compare_with_baseline(args, records, baseline, mode):
+    """Print this run's final-loss gap to the --compare-with run and draw OUT/<mode>_vs_baseline.png (mode: fp8
+    = the DeepSeek tiles, mxfp8, nvfp4, or off); without --compare-with, say how to compare."""
+    if baseline is None:
+        print0("compare: run the same command with " + (f"--fp8 on --out OTHER_DIR --compare-with {args.out}" if mode == "off"
+               else "--fp8 off --out BASE_DIR, then this one with --compare-with BASE_DIR (a new --out)"))
+        return None
+    on, off = ([(r["step"], r["loss"]) for r in recs if "loss" in r] for recs in (records, baseline))
+    label, base = {"fp8": "fp8 tiles"}.get(mode, mode), f"{args.compare_with}"
     gap = (on[-1][1] - off[-1][1]) / off[-1][1]
-    print0(f"final train loss: {label} {on[-1][1]:.4f} | baseline {off[-1][1]:.4f} | gap {100 * gap:+.2f}%")
-    val_on, val_off = ([r["val_loss"] for r in recs if "val_loss" in r] for recs in (on_recs, off_recs))
+    print0(f"final train loss: {label} {on[-1][1]:.4f} | {base} {off[-1][1]:.4f} | gap {100 * gap:+.2f}%")
+    val_on, val_off = ([r["val_loss"] for r in recs if "val_loss" in r] for recs in (records, baseline))
     if val_on and val_off:
-        print0(f"final val loss:   {label} {val_on[-1]:.4f} | baseline {val_off[-1]:.4f} | "
+        print0(f"final val loss:   {label} {val_on[-1]:.4f} | {base} {val_off[-1]:.4f} | "
                f"gap {100 * (val_on[-1] - val_off[-1]) / val_off[-1]:+.2f}%")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(6, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    ax.plot(*zip(*off), label="baseline (--fp8 off)")
-    ax.plot(*zip(*on), label=f"{label} (--fp8 on)")
+    ax.plot(*zip(*off), label=f"{base} (--compare-with)")
+    ax.plot(*zip(*on), label=f"{label} (this run)")
     ax.set_ylabel("train loss (nats/token)")
     ax.legend()
     ax2.plot([s for s, _ in on], [100 * (a - b) / b for (_, a), (_, b) in zip(on, off)])
     ax2.axhline(0, color="gray", lw=0.5)
     ax2.set_xlabel("step")
-    ax2.set_ylabel(f"{label} - baseline (%)")
+    ax2.set_ylabel(f"{label} vs --compare-with (%)")
     for a in (ax, ax2):
         a.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "fp8_vs_baseline.png" if on_mode == "on" else f"{on_mode}_vs_baseline.png"), dpi=100)
+    fig.savefig(os.path.join(args.out, f"{mode}_vs_baseline.png"), dpi=100)
     plt.close(fig)
     return gap
 

@@ -1,7 +1,6 @@
 """fp8.py: per-tile quantization error bounds, tiles vs one scale under outliers, the fp8 GEMM against fp64,
 Fp8Linear's gradients against an fp32 Linear, no inf/nan at extreme magnitudes, and 2-rank data-parallel
 training: --fp8 off equals gpt2.py's single process, --fp8 on ends within 2% of it."""
-import json
 import os
 
 import pytest
@@ -279,22 +278,26 @@ def test_bad_input_fails_before_any_collective(monkeypatch, tmp_path):
         fp8.train(base + ["--n-embd", "66"])
     with pytest.raises(ValueError, match="train"):
         fp8.train(base)
+    # --compare-with: a directory without a finished run, or a run of another length (issue 25)
+    with pytest.raises(ValueError, match=r"cannot be read.*\(--compare-with\)"):
+        fp8.train(base + ["--compare-with", str(tmp_path / "nowhere")])
+    (tmp_path / "short").mkdir()
+    (tmp_path / "short" / "metrics.jsonl").write_text('{"step": 0, "loss": 9.0}\n{"step": 1, "loss": 8.0}\n')
+    with pytest.raises(ValueError, match=r"holds 2 training steps, this run has --steps 3 \(--compare-with\)"):
+        fp8.train(base + ["--steps", "3", "--compare-with", str(tmp_path / "short")])
 
 
 TRAIN = ["--device", "cpu", "--dtype", "float32", "--n-layer", "2", "--n-embd", "64", "--seq-len", "16",
          "--steps", "16", "--warmup", "4", "--lr", "2e-3", "--eval-every", "0"]
 
 
-def read_metrics_file(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
 def _train_off_then_on(rank, world, data, out):
-    """Both modes in one 2-rank process group (one launch); rank 0 returns the final-loss gap."""
-    for mode in ("off", "on"):
-        gap = fp8.train(TRAIN + ["--batch-size", "4", "--data", data, "--out", out, "--fp8", mode])
-    return gap
+    """Both modes in one 2-rank process group (one launch), each in its own --out, the second comparing
+    itself with the first (--compare-with); rank 0 returns the final-loss gap."""
+    base = TRAIN + ["--batch-size", "4", "--data", data]
+    fp8.train(base + ["--out", out + "_off", "--fp8", "off"])
+    torch.distributed.barrier()  # rank 0 has written the last record before any rank reads it
+    return fp8.train(base + ["--out", out + "_on", "--fp8", "on", "--compare-with", out + "_off"])
 
 
 def test_two_rank_training_fp8_vs_baseline_vs_gpt2(shakespeare, tmp_path):
@@ -303,8 +306,7 @@ def test_two_rank_training_fp8_vs_baseline_vs_gpt2(shakespeare, tmp_path):
     gpt2.train(TRAIN + ["--batch-size", "8", "--data", shakespeare, "--out", str(tmp_path / "single")])
 
     single = train_losses(str(tmp_path / "single"))
-    off = [r["loss"] for r in read_metrics_file(os.path.join(out, "metrics_fp8_off.jsonl")) if "loss" in r]
-    on = [r["loss"] for r in read_metrics_file(os.path.join(out, "metrics_fp8_on.jsonl")) if "loss" in r]
+    off, on = train_losses(out + "_off"), train_losses(out + "_on")
     assert len(single) == len(off) == len(on) == 16
     print(f"\noff vs gpt2.py {max_rel_diff(off, single):.2e} | on vs off max {max_rel_diff(on, off):.2e} | "
           f"final {on[-1]:.4f} vs {off[-1]:.4f}, gap {100 * gap:+.3f}%")
@@ -313,10 +315,10 @@ def test_two_rank_training_fp8_vs_baseline_vs_gpt2(shakespeare, tmp_path):
     # fp8 changes every step a little and the end result by under 2%
     assert 1e-6 < max_rel_diff(on, off) and abs(gap) < 0.02 and on[-1] < on[0] - 1.0
     assert gap == pytest.approx((on[-1] - off[-1]) / off[-1], rel=1e-9)
-    assert os.path.getsize(os.path.join(out, "fp8_vs_baseline.png")) > 1000
+    assert os.path.getsize(os.path.join(out + "_on", "fp8_vs_baseline.png")) > 1000
     # bytes: one all-reduce of every fp32 gradient plus the 4-byte loss; a ring sends 2(n-1)/n of them
     n_params = gpt2.build_model(gpt2.make_parser("t").parse_args(TRAIN)).num_params(non_embedding=False)
-    comm = [r["comm_mb"] for r in read_metrics(out) if "comm_mb" in r]
+    comm = [r["comm_mb"] for r in read_metrics(out + "_on") if "comm_mb" in r]
     assert comm == pytest.approx([(4 * n_params + 4) / 1e6] * 16, rel=1e-9)
 
 
