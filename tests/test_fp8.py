@@ -410,8 +410,7 @@ def test_hadamard_keeps_the_product_and_nvfp4_linear_gradients():
     ref = (y1.detach(), x1.grad, lin.weight.grad.clone())
     bounds = {"mxfp8": 0.05, "nvfp4": 0.2}
     for fmt, recipe in (("mxfp8", ()), ("nvfp4", ()), ("nvfp4", ("hadamard",)), ("nvfp4", ("sr",))):
-        f8 = fp8.Fp8Linear.from_linear(lin)
-        f8.fmt, f8.recipe = fmt, recipe
+        f8 = fp8.BlockScaledLinear.from_linear(lin, fmt, recipe)
         lin.weight.grad = None
         x2 = x.clone().requires_grad_()
         y2 = f8(x2)
@@ -419,8 +418,9 @@ def test_hadamard_keeps_the_product_and_nvfp4_linear_gradients():
         errs = [rel_err(u, v) for u, v in zip((y2.detach(), x2.grad, lin.weight.grad), ref)]
         assert 1e-3 < max(errs) < bounds[fmt] and lin.weight.grad.dtype == torch.float32, (fmt, recipe, errs)
     args = gpt2.make_parser("t").parse_args(["--n-layer", "4", "--n-embd", "64", "--seq-len", "16", "--device", "cpu"])
-    model = fp8.convert_to_fp8(gpt2.build_model(args), "nvfp4", fp8.NVFP4_RECIPE)
-    assert [type(b.mlp.c_fc) is fp8.Fp8Linear for b in model.h] == [True, True, True, False]
+    model = fp8.convert_to_block_format(gpt2.build_model(args), "nvfp4", fp8.NVFP4_RECIPE)
+    assert [type(b.mlp.c_fc) is fp8.BlockScaledLinear for b in model.h] == [True, True, True, False]
+    assert model.h[0].attn.c_proj.fmt == "nvfp4" and model.h[0].attn.c_proj.recipe == fp8.NVFP4_RECIPE
 
 
 def test_only_x_scales_are_powers_of_2(monkeypatch):
@@ -493,8 +493,7 @@ def test_nvfp4_recipe_hadamard_and_sr_are_applied():
     x[3::16] *= 30  # one outlier token per 16-token block of wgrad's contraction
 
     def run(recipe, copies=1):
-        f8 = fp8.Fp8Linear.from_linear(lin)
-        f8.fmt, f8.recipe = "nvfp4", recipe
+        f8 = fp8.BlockScaledLinear.from_linear(lin, "nvfp4", recipe)
         lin.weight.grad = None
         xi = x.repeat(copies, 1).requires_grad_()
         y = f8(xi)
@@ -511,3 +510,18 @@ def test_nvfp4_recipe_hadamard_and_sr_are_applied():
     e_rtn, e_sr = rel_err(plain[1], ref_dx), rel_err(sr_mean, ref_dx)
     print(f"sr: dgrad vs dy @ W_q^T, round-to-nearest {e_rtn:.4f} | mean of {R} stochastic draws {e_sr:.4f}")
     assert e_sr < 0.4 * e_rtn
+
+
+def test_demo_per_tensor_vs_1x128(capsys):
+    """`python fp8.py demo`, the first command a reader runs: with no outlier both fp8 scalings lose ~2.6%
+    (e4m3's 3 mantissa bits); at a x1e5 outlier channel one scale per tensor loses ~40% of the other channels,
+    1x128 tiles ~5% (only the tiles that hold the outlier)."""
+    fp8.main(["demo"])
+    out = capsys.readouterr().out
+    rows = {float(line.split("|")[0]): [float(c.strip(" %")) for c in line.split("|")[1:]]
+            for line in out.splitlines()[1:] if line.strip()}
+    print("\n" + out)
+    assert list(rows) == [1.0, 1e2, 1e4, 1e5]
+    tensor, tiles, bf16 = zip(*rows.values())
+    assert abs(tensor[0] / tiles[0] - 1) < 0.1 and 2 < tiles[0] < 3.5 and max(bf16) < 0.5
+    assert tensor[3] > 5 * tiles[3] and tiles[3] < 8 and tensor[2] > 1.5 * tiles[2]
