@@ -114,6 +114,10 @@ CASES += [  # moe_ep
 ]
 
 CASES += [  # fp8
+    ("fp8", ["--compare-with", "{tmp}/nowhere"], {}, "(--compare-with)"),
+    ("fp8", ["--compare-with", "{tmp}"], W2, "(--compare-with)"),
+    ("fp8", ["--nvfp4-recipe", "sr"], {}, "(--nvfp4-recipe)"),
+    ("fp8", ["--format", "nvfp4", "--nvfp4-recipe", "hadamard,fast"], {}, "(--nvfp4-recipe)"),
 ]
 
 CASES += [  # muon
