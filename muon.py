@@ -47,8 +47,8 @@ GPT-2 124M at 8 ranks, per rank (`python tests/bench_muon.py --per-rank-124m`: f
 device; measured = closed form). Muon matrices S = 84.9M params = 339.7 MB fp32; the owner slabs are
 balanced by Newton-Schulz FLOPs, not bytes, so 8 slabs = 358.6 MB (5.6% padding). AdamW: 39.5M params.
     bytes per step  904.4 MB = AdamW all-reduce 2(7/8) 158.2 MB (276.8) + Muon 2(7/8) 358.6 MB (627.6)
-                    bf16 run 747.5 MB (the gather in bf16: 313.8 + 156.9); KellerJordan/Muon 1218.1 MB
-                    (ddp.py's all-reduce of all 497.9 MB: 871.3 MB; ours costs the padding, 33 MB, more)
+                    bf16 run 747.5 MB (the gather in bf16: 313.8 + 156.9); KellerJordan/Muon 1168.6 MB
+                    (ddp.py's all-reduce of all 497.9 MB: 871.3, + its unpadded all-gather 7/8 x 339.7: 297.2)
     memory          params 497.9 + grads 497.9 + optimizer 358.8 (AdamW 2 x 4 B x 39.5M = 316.3, momentum
                     of the ~10.6M owned Muon params 42.5; ddp.py's AdamW on everything: 995.8) = 1354.6 MB,
                     + 403.4 MB communication buffers (the 8-slab flat buffer 358.6 + own slab 44.8)
@@ -59,13 +59,14 @@ set_lr, accumulate_grads, evaluate, check_finite, CommMeter, Metrics, Profiler, 
 all_gather_single, run_main.
 
 Beyond the references (each off by default, measured in `tests/bench_muon.py experiment`):
---qk-clip TAU is Kimi K2's MuonClip (after a step whose max attention logit of a head exceeded TAU, scale
-that head's W_q and W_k rows by sqrt(TAU / max)), --ns-coefficients polar_express the Polar Express
+--qk-clip TAU is Kimi K2's QK-clip (after a step whose max attention logit of a head exceeded TAU, scale
+that head's W_q and W_k rows by sqrt(TAU / max)); all of MuonClip is QK-clip with Moonlight's update scale
+and weight decay, here --muon-scale match_rms_adamw --muon-weight-decay 0.1, --ns-coefficients polar_express the Polar Express
 per-step quintics, --momentum-warmup N the speedrun's 0.85 -> 0.95 momentum ramp. Muon's weight decay
 is its own flag, --muon-weight-decay (0, as in reference Muon); --weight-decay is AdamW's alone.
 Measured (tiny, 2 x 64 wide, T=32, B=4, 300 steps, AdamW 3e-3, Muon 0.02; val loss at step 300, mean +- std
 of 3 seeds): default 6.693 +- 0.009; --momentum-warmup 100 6.664 +- 0.015 (better at every evaluation);
-polar_express 6.692 +- 0.020 (its band is [0.86, 1.14] vs [0.51, 1.20], no gain this short); muon wd 0.1
+polar_express 6.692 +- 0.020 (band [0.85, 1.15] vs [0.68, 1.21], no gain this short); muon wd 0.1
 6.690 +- 0.026 (no gain, weights and peak logit smaller: 8.6 vs 10.9). --qk-clip 5.21 (half the default's
 peak, seed 1): peak logit 6.07 vs 10.43, val 6.695 vs 6.698.
 The README's experiment (tiny, T=64, B=8, 300 steps, one seed): Muon weight decay 0 (now the default)
@@ -77,7 +78,7 @@ Launch (the learning rates are the ones tuned for the tiny model on tinyshakespe
     python muon.py --data D --optimizer adamw --lr 1e-3      # the AdamW-only baseline, same loop
     torchrun --nproc_per_node=8 muon.py --model gpt2 --data data/fineweb10B --batch-size 16 \\
         --grad-accum 4 --seq-len 1024 --lr 6e-4 --compile      # on GPUs: bf16 autocast, NS in bf16
-    python muon.py --data D --lr 3e-3 --qk-clip 5 --log-max-logit   # MuonClip; max_logit per step in metrics.jsonl
+    python muon.py --data D --lr 3e-3 --qk-clip 5 --log-max-logit   # QK-clip; max_logit per step in metrics.jsonl
     python tests/bench_muon.py experiment --data D          # the flags side by side, 3 seeds -> table + max_logit.png
 
 References: K. Jordan et al., "Muon: an optimizer for hidden layers in neural networks" (2024 blog post,
@@ -85,7 +86,7 @@ kellerjordan.github.io/posts/muon) and github.com/KellerJordan/Muon; J. Liu et a
 for LLM Training" (Moonlight, arXiv 2502.16982): section 2.2 (update RMS matching 0.2*sqrt(max(A,B))),
 section 2.3 (their ZeRO-1 distributed Muon, contrasted above); github.com/KellerJordan/modded-nanogpt and
 github.com/karpathy/nanochat (the ownership design used here, Polar Express, momentum warmup); Kimi Team,
-"Kimi K2: Open Agentic Intelligence" (arXiv 2507.20534), section 2.1 (MuonClip); Amsel et al., "The Polar
+"Kimi K2: Open Agentic Intelligence" (arXiv 2507.20534), section 2.1 (MuonClip, of which --qk-clip is the QK-clip part); Amsel et al., "The Polar
 Express" (arXiv 2505.16932); Bernstein & Newhouse 2024, "Old optimizer, new norm" (why orthogonalise).
 """
 import argparse
@@ -105,13 +106,15 @@ from gpt2 import all_gather_single, print0, reduce_scatter_single
 # and keeps the singular vectors. The classic cubic (1.5, -0.5) converges to 1 but slowly near 0. These
 # quintic coefficients (Jordan 2024) maximise the slope at zero (a = 3.4445, so small singular values grow
 # ~3.4x per step) under the constraint that the iterate stays in a band around 1 instead of converging
-# exactly: after 5 steps the singular values lie in about [0.7, 1.2], which trains as well as exact U V^T.
+# exactly: after 5 fp32 steps every singular value of G/||G||_F in [2e-3, 1] lands in [0.68, 1.21] (the scalar
+# map, tested over 24 seeds), which trains as well as exact U V^T; smaller ones (square matrices) end lower.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 # Polar Express (Amsel et al. 2025, arXiv 2505.16932): a different quintic at each step, each the minimax-optimal
 # one for the interval the singular values are known to lie in after the previous steps, so the band shrinks
-# towards 1 step by step instead of staying at [0.7, 1.2]. These are the 5 steps modded-nanogpt's speedrun
-# uses, computed for inputs scaled by 1/(1.02 ||X||_F) (a 2% safety margin for bf16 rounding).
+# towards 1 step by step: singular values of G/||G||_F in [2e-3, 1] land in [0.85, 1.15] after 5 fp32 steps
+# (tested). These are NOT the paper's published list: they are modded-nanogpt's speedrun coefficients, made
+# with the paper's algorithm for cushion 0.02 and inputs scaled by 1/(1.02 ||X||_F) (safety 1.02, bf16).
 POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (4.042929935166739, -2.808917465908714, 0.5000178451051316),
                  (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
@@ -289,7 +292,7 @@ class Muon:
 
 
 # ----------------------------------------------------------------------------------------------------
-# QK-clip (MuonClip, Kimi K2 technical report, section 2.1): Muon lets attention logits grow until a head's
+# QK-clip (the logit cap of MuonClip, Kimi K2 technical report, section 2.1): Muon lets attention logits grow until a head's
 # softmax saturates and the loss spikes. After each step, for every head whose largest logit of the step
 # exceeded tau, scale its query and key rows by sqrt(tau / max), so that logit comes out at tau next time.
 # Kimi K2's attention has no q, k biases; GPT-2's has, and they are scaled with their rows, so every logit
@@ -334,7 +337,8 @@ class MaxLogitProbe:
 def qk_clip_factors(s_max, tau, head_dim):
     """(n_layer, 3C) row factors for c_attn: sqrt(tau / S_max) on the q and k rows of each head above tau,
     1 elsewhere (v rows untouched). Kimi K2 splits the factor evenly (alpha = 0.5) between W_q and W_k."""
-    gamma = (tau / s_max).clamp(max=1.0).sqrt()  # (L, H)
+    # only heads above tau (> 0) are scaled; a negative or -inf maximum (all logits below zero) keeps factor 1
+    gamma = torch.where(s_max > tau, (tau / s_max).sqrt(), torch.ones_like(s_max))  # (L, H)
     qk = gamma.repeat_interleave(head_dim, dim=1)  # (L, C): one factor per q (or k) row
     return torch.cat([qk, qk, torch.ones_like(qk)], dim=1)
 
@@ -473,13 +477,12 @@ def main(argv=None):
             model.train()
     if muon and gather_dtype != torch.float32:
         muon.all_gather_params(full_precision=True)  # bf16 runs: every rank's copy becomes the owner's fp32 master
+    gpt2.check_finite_weights(model.parameters(), args.steps - 1)  # every rank, before anything is written
     if ctx.master:
-        torch.save({"config": cfg.__dict__, "model": model.state_dict()}, os.path.join(args.out, "model.pt"))
+        gpt2.save_model(os.path.join(args.out, "model.pt"), cfg, model.state_dict())
     metrics.plot()
     print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return metrics.records
+    return metrics.records  # gpt2.run_main destroys the process group
 
 
 # ====================================================================================================
@@ -508,7 +511,7 @@ def make_parser():
     a("--qkv", default="split", choices=["split", "packed"],
       help="orthogonalise c_attn's q, k, v blocks separately (split: they are three maps, as in modded-nanogpt; "
       "measured 5.69 vs 5.74 val loss after 300 tiny steps, for 7%% more Newton-Schulz FLOPs) or as one 3E x E matrix")
-    a("--qk-clip", type=float, default=0.0, metavar="TAU", help="MuonClip (Kimi K2): after each step scale the q and k "
+    a("--qk-clip", type=float, default=0.0, metavar="TAU", help="QK-clip (Kimi K2, part of MuonClip): after each step scale the q and k "
       "rows of every head whose max attention logit exceeded TAU (Kimi K2: 100); 0 = off")
     a("--log-max-logit", action="store_true", help="log the step's largest attention logit (max_logit in metrics.jsonl)")
     return p
@@ -522,21 +525,18 @@ def validate(args, world):
     gpt2.check_args(args)
     if not args.muon_lr > 0:
         gpt2.fail(f"--muon-lr is {args.muon_lr}", "--muon-lr", "give a positive learning rate (0.02 is Muon's)")
-    if not 0.0 <= args.muon_weight_decay < math.inf:
-        gpt2.fail(f"--muon-weight-decay is {args.muon_weight_decay}", "--muon-weight-decay", "give 0 (off) or a positive value")
-    if not 0.0 <= args.momentum < 1.0:
-        gpt2.fail(f"--momentum is {args.momentum}", "--momentum", "give a value in [0, 1), e.g. 0.95")
-    if args.momentum_warmup < 0:
-        gpt2.fail(f"--momentum-warmup is {args.momentum_warmup}", "--momentum-warmup", "give 0 (off) or a number of steps")
-    if args.ns_steps < 1:
-        gpt2.fail(f"--ns-steps is {args.ns_steps}", "--ns-steps", "give at least 1 Newton-Schulz step (5 is usual)")
+    gpt2.check_range(args.muon_lr, "--muon-lr", 0, 10, "give a positive learning rate (0.02 is Muon's)")
+    gpt2.check_range(args.muon_weight_decay, "--muon-weight-decay", 0, 1 / args.muon_lr,
+                     f"give 0 (off) up to 1/--muon-lr = {1 / args.muon_lr:g} (p *= 1 - lr x wd stays >= 0)")
+    gpt2.check_range(args.momentum, "--momentum", 0, 1 - 1e-9, "give a value in [0, 1), e.g. 0.95")
+    gpt2.check_range(args.momentum_warmup, "--momentum-warmup", 0, math.inf, "give 0 (off) or a number of steps")
+    gpt2.check_range(args.ns_steps, "--ns-steps", 1, 100, "give 1 to 100 Newton-Schulz steps (5 is usual)")
     if args.ns_coefficients == "polar_express" and args.ns_steps > len(POLAR_EXPRESS):
         gpt2.fail(f"--ns-steps {args.ns_steps} with Polar Express", "--ns-steps",
                   f"Polar Express has {len(POLAR_EXPRESS)} published steps: give at most that many")
-    if not 0.0 <= args.qk_clip < math.inf:
-        gpt2.fail(f"--qk-clip is {args.qk_clip}", "--qk-clip", "give 0 (off) or a logit bound such as 100")
+    gpt2.check_range(args.qk_clip, "--qk-clip", 0, math.inf, "give 0 (off) or a logit bound such as 100")
     if args.qk_clip and args.optimizer != "muon":
-        gpt2.fail("--qk-clip with --optimizer adamw", "--qk-clip", "QK-clip is MuonClip: use it with --optimizer muon")
+        gpt2.fail("--qk-clip with --optimizer adamw", "--qk-clip", "QK-clip acts on Muon's matrices: use it with --optimizer muon")
     if (args.qk_clip or args.log_max_logit) and args.compile:
         gpt2.fail("--qk-clip/--log-max-logit with --compile", "--qk-clip/--log-max-logit",
                   "the max-logit probe is an eager forward hook on c_attn: drop --compile for these runs")

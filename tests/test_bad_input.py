@@ -121,6 +121,19 @@ CASES += [  # fp8
 ]
 
 CASES += [  # muon
+    ("muon", ["--muon-weight-decay", "-0.1"], W2, "(--muon-weight-decay)"),
+    ("muon", ["--muon-weight-decay", "100"], {}, "(--muon-weight-decay)"),  # 1 - 0.02 x 100 < 0: flips the weights
+    ("muon", ["--momentum", "-0.5"], W2, "(--momentum)"),
+    ("muon", ["--momentum", "nan"], {}, "--momentum"),
+    ("muon", ["--muon-lr", "0"], {}, "(--muon-lr)"),
+    ("muon", ["--muon-lr", "inf"], {}, "--muon-lr"),
+    ("muon", ["--momentum-warmup", "-1"], {}, "(--momentum-warmup)"),
+    ("muon", ["--qk-clip", "-1"], W2, "(--qk-clip)"),
+    ("muon", ["--qk-clip", "nan"], {}, "--qk-clip"),
+    ("muon", ["--qk-clip", "50", "--optimizer", "adamw"], {}, "(--qk-clip)"),
+    ("muon", ["--ns-steps", "1000"], {}, "(--ns-steps)"),
+    ("muon", ["--ns-coefficients", "polar_express", "--ns-steps", "6"], {}, "(--ns-steps)"),
+    ("muon", ["--log-max-logit", "--compile"], {}, "--log-max-logit"),
 ]
 
 CASES += [  # checkpoint
