@@ -23,18 +23,18 @@ Notation: F forward, B full backward = I (input gradient) + W (weight gradient);
   end                               send g3
 Unplanned (send when made, receive when needed), and a send may block until its receive is posted (NCCL):
   rank 0: F1 done, sends a1 and blocks: rank 1 posts "recv a1" only before its F1
-  rank 1: B0 done, sends g0 and blocks: rank 0 posts "recv g0" only before its B0. Neither returns.
+  rank 1: F0, B0 done, sends g0 and blocks: rank 0 posts "recv g0" only before its B0. Neither returns.
 A send and the receives planned beside it go in one batch_isend_irecv (one NCCL group), so they progress
 together, never one waiting for the other; the planner picks the batch of every receive so that no
 cycle of waits is left, for any schedule (tests/ checks every plan against a model of NCCL's rules).
 
 Bubble: (P-1)/(M+P-1) of the step. Bytes per cut per step: 2 x B x T x C x dtype bytes (act + grad).
-Memory per rank: 1/P of weights, grads, AdamW; activations of M (GPipe) or P - rank (1F1B) micro-batches.
-Launch: torchrun --nproc_per_node=2 pipeline.py --schedule 1f1b --micro-batches 4 --batch-size 8
-        (and python gpt2.py train --batch-size 8: the same curve; below the banner: zbh1, interleaved,
-        dualpipe, dualpipev and their flags; --dp D replicas of the pipeline)
-References: GPipe (Huang et al. 2019); 1F1B = PipeDream-Flush (Narayanan et al. 2021, 2.2); zero bubble
-(Qi et al. 2023, 3); DualPipe (DeepSeek-V3, 3.2.1); torch.distributed.pipelining (compared in tests/).
+Memory per rank: its stage's weights, grads, AdamW (1/P of the blocks; wte on the first and last stage),
+activations of M (GPipe) or P - rank (1F1B) micro-batches of B/M rows.
+Launch: torchrun --nproc_per_node=2 pipeline.py --schedule 1f1b --micro-batches 4 --batch-size 8 (python gpt2.py
+        train --batch-size 8: the same curve); beyond the core: zbh1, interleaved, dualpipe(v); --dp D replicas
+References: GPipe (Huang et al. 2019); 1F1B = PipeDream-Flush (Narayanan et al. 2021, Megatron-LM, 2.2); zero
+bubble (Qi et al. 2023, 3); DualPipe (DeepSeek-V3, 3.2.1); torch.distributed.pipelining (compared in tests/).
 Uses from gpt2.py: build_model, GPT.embed / forward_blocks / head_loss, setup, make_loaders, make_adamw,
 optimizer_groups, set_lr, Metrics, Profiler, CommMeter, check_args, fail, run_main.
 """

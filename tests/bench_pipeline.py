@@ -270,10 +270,11 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
         pipe.current = None
         forward = pipe._forward
 
-        def counted(op, xs, ys):
+        def counted(op, h, xs, ys):
             pipe.current = (op.stage, op.mb)
-            forward(op, xs, ys)
+            message = forward(op, h, xs, ys)
             pipe.current = None
+            return message
         pipe._forward = counted
         x = torch.randint(0, 50257, (M, T))
         scale = batch_size / M * seq_len / T
