@@ -750,6 +750,7 @@ def evaluate(pipe, loader, steps):
     orders = [[Op("F", s, i) for s in sorted(pipe.stages_of(r)) for i in range(pipe.M) if pipe.owner(s, i) == r]
               for r in range(pipe.P)]
     plan = plan_messages(orders, pipe.owner)
+    steps = loader.eval_steps or steps  # --val-tokens: the loader knows how many batches
     loader.load_state_dict({"shard": 0, "pos": 0})
     total = torch.zeros((), device=pipe.ctx.device)
     for _ in range(steps):
