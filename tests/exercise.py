@@ -25,6 +25,42 @@ EXERCISES = {
                                 "in b.work, count its bytes with self.meter.all_reduce"),
         ("DataParallel.wait", "wait for the bucket's all-reduce, if one is in flight, and forget its work"),
     ],
+    "fsdp2.py": [
+        ("ShardedUnit.unshard", "wait for the unit's all-gather (start_gather issues it), give each padded "
+                                "parameter its storage back and copy every rank's rows into it"),
+        ("ShardedUnit.reshard", "free each padded parameter's storage (resize it to 0 bytes), keeping the tensor"),
+        ("ShardedUnit.reduce_scatter_grads", "lay the full gradients out as the gathered buffer (row k = rank k's "
+                                             "rows, fp32) and reduce-scatter (SUM) it asynchronously; return "
+                                             "(work, out, buf)"),
+    ],
+    "tensor_parallel.py": [
+        ("CopyToTP.backward", "f's backward: all-reduce (sum) the input gradient over the TP group"),
+        ("ReduceFromTP.forward", "g's forward: all-reduce (sum) the partial outputs over the TP group"),
+        ("ParallelBlock.forward", "the block written literally: f -> column matmul -> attention -> row matmul -> g, "
+                                  "then the bias once, twice (attention, MLP), with the residuals"),
+        ("VocabParallelCrossEntropy.forward", "the mean cross-entropy from (N, V/t) logit shards: all-reduce the "
+                                              "row max (MAX), then [sum of exp, target logit] (SUM); save the "
+                                              "softmax for backward"),
+    ],
+    "pipeline.py": [
+        ("one_f_one_b", "1F1B's op list for one rank: P-1-rank warm-up forwards, then one forward one backward, "
+                        "then the remaining backwards"),
+        ("Pipeline.run", "one step: issue the receives planned before the first op, then for each op: receive, "
+                         "compute, send (with the batch planned after it); wait for the sends; return the loss"),
+    ],
+    "moe_ep.py": [
+        ("AllToAll.backward", "the gradient of a received row goes back to its sender: the same exchange with the "
+                              "splits swapped"),
+        ("plan_dispatch", "sort the assignments by expert (keep_within_capacity), exchange the per-expert counts "
+                          "(all_to_all_single), and derive send/recv splits and rows per local expert: the Plan"),
+        ("combine_tokens", "the reverse exchange (splits swapped), then put each row back at its assignment "
+                           "(index_copy into zeros: dropped assignments stay 0)"),
+    ],
+    "fp8.py": [
+        ("quantize_1x128", "one scale per row per 128 columns: amax / 448 (powers of 2 when pow2), e4m3 values"),
+        ("_fp8_matmul_emulated", "for each 128-wide K chunk: the fp8 chunk product in fp32, scaled by the row's "
+                                 "and the column's chunk scales, accumulated in fp32"),
+    ],
 }
 
 # test module -> what a difference from the reference usually means
@@ -32,6 +68,18 @@ HINTS = {
     "test_ddp": "a loss that differs from step 1 on: are gradients divided by the world size (a mean, not a sum), "
                 "and every bucket waited for before the optimizer step? A hang or a timeout: do all ranks launch "
                 "the buckets in the same order?",
+    "test_fsdp2": "different from step 1 on: is the reduce-scatter a SUM then divided by the world size, and does "
+                  "each rank's row k hold rank k's rows of every gradient? A crash in backward ('modified by an "
+                  "inplace operation'): refill the padded tensor through .data, keep the tensor, free its storage.",
+    "test_tensor_parallel": "wrong from step 0: f and g are conjugates (f: identity forward, all-reduce backward; g: "
+                            "all-reduce forward, identity backward) and the row-parallel bias is added once, after g; "
+                            "the loss needs the global row max and the global sum of exp.",
+    "test_pipeline": "a hang: every receive must be issued in the batch the plan gives it (plan[rank][i + 1] after "
+                     "op i); a wrong loss: the last stage scales each micro-batch's loss by 1/M.",
+    "test_moe_ep": "EP differs from one rank: combine must swap dispatch's splits, and backward is the same "
+                   "exchange with the splits swapped; a hang: every rank exchanges counts before rows.",
+    "test_fp8": "errors far above the figures: one scale per 1x128 tile (amax over the 128 values of a row), and the "
+                "GEMM scales each 128-wide chunk's product before adding it into the fp32 accumulator.",
 }
 
 
