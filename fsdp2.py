@@ -403,7 +403,8 @@ all_reduce = _metered(all_reduce, "all_reduce", lambda t: t.nbytes)
 def count_in_flight(fsdp):
     """Measure the core's claims while it runs: the most units gathered (or being gathered) at once
     (2 with the prefetch: this unit and the next) and the most reduce-scatters in flight at once (2:
-    the memory formula's two fp32 reduce buffers), by wrapping each unit's gather and the reduce."""
+    the memory formula's two fp32 reduce buffers: a unit's is issued while the previous one is pending),
+    by wrapping each unit's gather and reduce-scatter."""
     fsdp.max_gathered_units = fsdp.max_reduces_in_flight = 0
 
     def count_gathered():
@@ -415,12 +416,11 @@ def count_in_flight(fsdp):
                 f()
                 count_gathered()
             setattr(unit, name, call)
-    reduce = fsdp._reduce
-
-    def counted_reduce(unit):
-        fsdp.max_reduces_in_flight = max(fsdp.max_reduces_in_flight, 1 + (fsdp.pending_rs is not None))
-        reduce(unit)
-    fsdp._reduce = counted_reduce
+    for unit in fsdp.all_units:
+        def issue(f=unit.reduce_scatter_grads):
+            fsdp.max_reduces_in_flight = max(fsdp.max_reduces_in_flight, 1 + (fsdp.pending_rs is not None))
+            return f()
+        unit.reduce_scatter_grads = issue
     return fsdp
 
 
