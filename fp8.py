@@ -17,7 +17,7 @@ re-cuts x's tiles along the tokens, and a power-of-2 scale makes that re-cut los
     wgrad    dW = dy^T @ x   dy^T, x^T: 1x128 tiles along the tokens (x re-cut from its saved fp8 copy)
       x (M,K) -amax per 1x128-> x_fp8, sx (M,K/128)    W (N,K) -amax per 128x128-> W_fp8, sW (N/128,K/128)
       for k in K/128 chunks:   acc(fp32) += (x_fp8[:,k] @ W_fp8[:,k]^T) * sx[:,k] * sW[:,k]
-                                             \_ tensor core, fp8 _/      \_ promotion to fp32 _/
+                                             \\_ tensor core, fp8 _/      \\_ promotion to fp32 _/
       data parallel: every rank holds the whole model, all-reduces its fp32 grads in one flat bucket
 
 Closed forms (P parameters, n ranks, C the width; a block's four Linears take inputs of C, C, C, 4C):
