@@ -24,7 +24,7 @@ form by tests/bench_muon.py and test_distributed_muon_equals_one_rank):
     Moonlight 2.3 (ZeRO-1 rows; gather momentum, gather params) 3(N-1)/N x S, Newton-Schulz on all N ranks
     torch.optim.Muon behind DDP (all-reduce)                    2(N-1)/N x S, Newton-Schulz on all N ranks
 Memory per rank: 4 B params + 4 B grads of every parameter + 8 B AdamW state of its parameters + 4 B
-momentum of the owned matrices + the N-slab fp32 buffer. GPT-2 124M figures: tests/README.md.
+momentum of the owned matrices + fp32 buffers of N slabs and one slab. GPT-2 124M: tests/README.md.
 
     python muon.py --data D --lr 3e-3            # Muon at 0.02 on the blocks, AdamW at 3e-3 on the rest
     torchrun --nproc_per_node=2 muon.py --data D --lr 3e-3 --batch-size 4   # the same curve, two ranks
