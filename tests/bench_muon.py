@@ -209,7 +209,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024):
                 model = gpt2.GPT(gpt2.model_config(args))
             m, parts, rest = muon.split_params(model, "muon")
             comm = gpt2.CommMeter()
-            opt = muon.Muon(m, parts, gather_dtype=gather_dtype, rank=0, world=world, comm=comm)
+            opt = (muon.Bf16Gather if gather_dtype == torch.bfloat16 else muon.Muon)(m, parts, rank=0, world=world, comm=comm)
             adamw = torch.optim.AdamW(rest, lr=1e-3)
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)

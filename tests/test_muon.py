@@ -27,7 +27,7 @@ def rel(a, b):
 @pytest.mark.parametrize("shape", [(64, 256), (256, 64), (96, 96)])
 def test_newton_schulz_matches_torch(shape):
     G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    ref = torch_newton_schulz(G, muon.NS_COEFFICIENTS, 5, 1e-7).float()  # torch runs it in bf16
+    ref = torch_newton_schulz(G, muon.QUINTIC, 5, 1e-7).float()  # torch runs it in bf16
     assert rel(muon.newton_schulz(G, dtype=torch.bfloat16), ref) == 0.0  # same arithmetic, bit for bit
     ours = muon.newton_schulz(G)  # fp32 on CPU: differs from the bf16 result only by bf16 rounding
     assert rel(ours, ref) < 0.03
@@ -55,6 +55,7 @@ def test_newton_schulz_grows_small_singular_values():
 # lands in [lo, hi] after 5 fp32 steps (the scalar map p(p(p(p(p(s))))) over [lo_in, 1]: quintic [0.682, 1.202]
 # from 1.6e-3 up, Polar Express [0.859, 1.141] from 1.2e-3 up; 1e-3 gives 0.47 and 0.85: the condition matters).
 BANDS = {"quintic": (2e-3, 0.68, 1.21), "polar_express": (2e-3, 0.85, 1.15)}
+ORTHOGONALIZE = {"quintic": muon.newton_schulz, "polar_express": muon.polar_express}
 
 
 def conditioned(seed, lo_in):
@@ -79,7 +80,7 @@ def test_newton_schulz_band_holds_for_its_condition(coefficients):
         for G in conditioned(seed, lo_in):
             s_in = torch.linalg.svdvals(G / G.norm())
             assert lo_in <= s_in.min() and s_in.max() <= 1  # the stated condition holds for this input
-            sv = torch.linalg.svdvals(muon.newton_schulz(G, coefficients=coefficients))
+            sv = torch.linalg.svdvals(ORTHOGONALIZE[coefficients](G))
             assert lo <= sv.min() and sv.max() <= hi, (seed, sv.min().item(), sv.max().item())
             seen += [sv.min().item(), sv.max().item()]
     assert min(seen) < lo + 0.03 and max(seen) > hi - 0.08  # the band is tight, not a loose bound
@@ -92,17 +93,16 @@ def test_polar_express_ends_closer_to_one():
         for seed in range(20):
             G = conditioned(seed, 2e-3)[seed % 2]
             for name in worst:
-                sv = torch.linalg.svdvals(muon.newton_schulz(G, dtype=dtype, coefficients=name).float())
+                sv = torch.linalg.svdvals(ORTHOGONALIZE[name](G, dtype=dtype).float())
                 worst[name] = max(worst[name], (sv - 1).abs().max().item())
         assert worst["polar_express"] < 0.16 and worst["polar_express"] < 0.6 * worst["quintic"], (dtype, worst)
     with pytest.raises(ValueError):
-        muon.newton_schulz(G, steps=6, coefficients="polar_express")  # 5 published steps
+        muon.polar_express(G, steps=6)  # 5 published steps
 
 
 def test_momentum_warmup_is_the_speedrun_ramp():
-    args = muon.make_parser().parse_args(["--momentum-warmup", "300"])
-    assert [muon.momentum_at(s, args) for s in (0, 150, 300, 1000)] == pytest.approx([0.85, 0.90, 0.95, 0.95])
-    assert muon.momentum_at(0, muon.make_parser().parse_args([])) == 0.95  # off by default
+    assert [muon.momentum_at(s, 300, 0.95) for s in (0, 150, 300, 1000)] == pytest.approx([0.85, 0.90, 0.95, 0.95])
+    assert muon.momentum_at(0, 0, 0.95) == 0.95  # off
 
 
 def test_qk_clip_brings_each_hot_head_to_tau():
@@ -200,8 +200,8 @@ def distributed_muon_run(rank, world, steps=3):
     shapes = block_shapes()
     params, params16 = make_params(shapes), make_params(shapes)
     opt = muon.Muon(params, [k for _, k in shapes], lr=0.02, weight_decay=0.1, rank=rank, world=world)
-    opt16 = muon.Muon(params16, [k for _, k in shapes], lr=0.02, weight_decay=0.1, rank=rank, world=world,
-                      gather_dtype=torch.bfloat16)  # the same, its updated matrices sent in bf16
+    opt16 = muon.Bf16Gather(params16, [k for _, k in shapes], lr=0.02, weight_decay=0.1, rank=rank,
+                            world=world)  # the same, its updated matrices sent in bf16
     norms = []
     for step in range(steps):
         for p, q, gr in zip(params, params16, grads_for(step, rank, shapes)):
@@ -399,7 +399,7 @@ def test_extension_flags_change_the_first_step_as_computed(shakespeare, tmp_path
     def expected(k, coefficients):  # W0 - lr0 x scale x NS(g), c_attn as three blocks
         g, parts = params[k].grad, 3 if k.endswith("c_attn.weight") else 1
         rows, cols = g.size(0) // parts, g.size(1)
-        o = muon.newton_schulz(g.view(parts, rows, cols), coefficients=coefficients).view_as(g)
+        o = ORTHOGONALIZE[coefficients](g.view(parts, rows, cols)).view_as(g)
         return w0[k] - lr0 * muon.update_scale(rows, cols, "original") * o
 
     # --ns-coefficients: the default run takes the quintic's step, the flag's run Polar Express's
