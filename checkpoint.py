@@ -334,12 +334,9 @@ def train(args, Checkpointer=AsyncCheckpointer):
 
 
 # ---- Beyond the core ----
-# PinnedSnapshots: the snapshot into reused (pinned) host buffers; on CUDA the copies are queued on the compute
-# stream ahead of the next step and the writer waits on an event (CheckFreq section 4.2: snapshot, then persist).
-# SafeCheckpointer: what makes checkpoints never lost (main() always uses it): the weights checked finite before
-# a snapshot, a failure handshake that stops every rank at the same step, pruning (--keep), read retries,
-# checksums and verdicts on load, corrupt checkpoints set aside (--allow-fresh-start), --fail-at's fault
-# injection. The --ckpt-dir lock is taken in the appendix (parse_args).
+# PinnedSnapshots: the snapshot into reused pinned host buffers, queued on the GPU's stream (CheckFreq section 4).
+# SafeCheckpointer (main() uses it): finite weights before a snapshot, a failure handshake, --keep, read retries,
+# CRC-32 verdicts, corrupt checkpoints set aside, --allow-fresh-start, --fail-at. The --ckpt-dir lock: the appendix.
 
 
 class PinnedSnapshots(AsyncCheckpointer):

@@ -135,7 +135,9 @@ def main():
     if ctx.world < 2:
         sys.exit("run it under torchrun with >= 2 processes: DCP's sharded save needs a process group")
     if ctx.master:
-        shutil.rmtree(args.bench_dir, ignore_errors=True)
+        for d in os.listdir(args.bench_dir):  # an earlier bench's checkpoints; not out/, which setup() holds
+            if d != "out":
+                shutil.rmtree(os.path.join(args.bench_dir, d), ignore_errors=True)
     dist.barrier()
     comm = gpt2.CommMeter()
     model = gpt2.build_model(args).to(ctx.device)

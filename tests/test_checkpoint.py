@@ -2,7 +2,9 @@
 shard falls back to the previous checkpoint, SIGKILL mid-save leaves a resumable checkpoint, and a
 torchrun --max-restarts job whose worker dies finishes on the uninterrupted curve. Faults (one process,
 injected by monkeypatching): a locked --ckpt-dir, a read error, corrupt-only, a malformed manifest, a
-changed schedule, a failed background save - each a one-line error or a fallback, no checkpoint lost."""
+changed schedule, a failed background save - each a one-line error or a fallback, no checkpoint lost.
+Issue 25/24/22: a diverged step is never committed (the last finite one is kept), Ctrl-C is one line and resumes
+bit-exact, the snapshot is a copy taken before the next step mutates the state, a lock on another host is kept."""
 import errno
 import json
 import os
