@@ -297,7 +297,6 @@ def train(args):
     if own_group and dist.is_initialized():
         dist.destroy_process_group()
 
-
 # ---- Beyond the core ----
 # RowParallelLinear: row_parallel and g packaged as one nn.Module, for models other than GPT (the tests' toy
 # model; README, "Using the pieces in your own code").
