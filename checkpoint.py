@@ -511,13 +511,10 @@ class SafeCheckpointer(PinnedSnapshots):
         self.wait()  # the previous save commits first (or fails in one line)
         z = self.zero
         moments = [opt.state[p][k] for p in z.params for k in ("exp_avg", "exp_avg_sq")]
-        try:
-            gpt2.check_finite_weights([z.flat[z.lo: z.hi], *moments], step - 1, self.ctx.device)
-        except gpt2.UsageError as e:
-            last = f"step {self.committed}, the newest committed checkpoint, is finite and kept" if self.committed \
-                else "nothing was committed"
-            gpt2.fail(str(e).split(" (--lr): ")[0], "--lr", f"{last}; lower --lr (with another --ckpt-dir), "
-                      "keep --grad-clip on, or raise --warmup")
+        last = f"step {self.committed}, the newest committed checkpoint, is finite and kept" if self.committed \
+            else "nothing was committed"
+        gpt2.check_finite_weights([z.flat[z.lo: z.hi], *moments], step - 1, self.ctx.device, todo=f"{last}; lower "
+                                  "--lr (with another --ckpt-dir), keep --grad-clip on, or raise --warmup")
         super().save(step, opt, loader)
         if self.ctx.world > 1:  # the writer's handshake: every rank's (bytes, crc32), rank 0's verdict on the commit
             self.comm.all_gather(16 * self.ctx.world, self.ctx.world)

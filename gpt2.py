@@ -843,15 +843,15 @@ def agree(ok, device=None):
     return bool(flag.item())
 
 
-def check_finite_weights(tensors, step, device=None):
+def check_finite_weights(tensors, step, device=None, flag="--lr",
+                         todo="nothing was saved: lower --lr, keep --grad-clip on, or raise --warmup"):
     """Before anything is written: the weights after the last update are finite on every rank (the loss
     check sees only the weights before it). A collective when there is a group: every rank calls it."""
     tensors = [t for t in tensors if t.is_floating_point()]
     bad = sum(int(not torch.isfinite(t.detach()).all()) for t in tensors)
     if not agree(bad == 0, device):
         fail(f"the weights are not finite after step {step} ({bad} of {len(tensors)} tensors on rank "
-             f"{int(os.environ.get('RANK', 0))} hold NaN or Inf)", "--lr",
-             "nothing was saved: lower --lr, keep --grad-clip on, or raise --warmup")
+             f"{int(os.environ.get('RANK', 0))} hold NaN or Inf)", flag, todo)
 
 
 def save_model(path, cfg, state, **extra):
