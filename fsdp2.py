@@ -297,7 +297,6 @@ def train(argv=None):
     gpt2.print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
     return fsdp, opt
 
-
 # ---- Beyond the core ----
 
 

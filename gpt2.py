@@ -776,6 +776,7 @@ def run_main(main, argv=None):
         end_gloo_group()
         sys.exit(130)
     if dist.is_initialized():
+        dist.barrier()  # every rank is done before any tears its part of the group down
         dist.destroy_process_group()
 
 
@@ -945,15 +946,18 @@ def watch_launcher(interval=1.0):
     an orphan would train on, and commit checkpoints, for a job nobody watches."""
     parent = os.getppid()
 
+    done = threading.Event()
+
     def watch():
-        while True:
-            time.sleep(interval)
+        while not done.wait(interval):
             if os.getppid() != parent:
                 print(f"error: the launcher (pid {parent}) died (torchrun): this rank "
                       f"{os.environ.get('RANK', 0)} stops; relaunch the job", file=sys.stderr, flush=True)
                 os._exit(3)
 
-    threading.Thread(target=watch, daemon=True, name="watch_launcher").start()
+    thread = threading.Thread(target=watch, daemon=True, name="watch_launcher")
+    thread.start()
+    atexit.register(lambda: (done.set(), thread.join(timeout=2 * interval)))  # no thread left running at exit
 
 
 def make_parser(description):
