@@ -56,6 +56,14 @@ EXERCISES = {
         ("combine_tokens", "the reverse exchange (splits swapped), then put each row back at its assignment "
                            "(index_copy into zeros: dropped assignments stay 0)"),
     ],
+    "muon.py": [
+        ("muon_update", "update the momentum (EMA form: lerp towards grad), take the Nesterov look-ahead, and "
+                        "orthogonalise it as `parts` stacked row blocks"),
+        ("Muon.reduce_scatter_grads", "copy each gradient into its owner's slab of self.flat, reduce-scatter "
+                                      "into self.own and divide by the world size: the owners' mean gradients"),
+        ("Muon.all_gather_params", "all-gather every owner's updated matrices (self.send -> self.recv) and copy "
+                                   "the ones this rank does not own into the parameters"),
+    ],
     "fp8.py": [
         ("quantize_1x128", "one scale per row per 128 columns: amax / 448 (powers of 2 when pow2), e4m3 values"),
         ("_fp8_matmul_emulated", "for each 128-wide K chunk: the fp8 chunk product in fp32, scaled by the row's "
@@ -78,6 +86,9 @@ HINTS = {
                      "op i); a wrong loss: the last stage scales each micro-batch's loss by 1/M.",
     "test_moe_ep": "EP differs from one rank: combine must swap dispatch's splits, and backward is the same "
                    "exchange with the splits swapped; a hang: every rank exchanges counts before rows.",
+    "test_muon": "one rank already differs from torch.optim.Muon: the momentum is an EMA (lerp) and Nesterov "
+                 "looks ahead from it; several ranks differ from one: each owner must get the MEAN gradient "
+                 "(reduce-scatter, then / world) and every rank must copy back the matrices it does not own.",
     "test_fp8": "errors far above the figures: one scale per 1x128 tile (amax over the 128 values of a row), and the "
                 "GEMM scales each 128-wide chunk's product before adding it into the fp32 accumulator.",
 }
