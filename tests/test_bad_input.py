@@ -309,7 +309,12 @@ def _start_training(out, data, extra=()):
     cmd = [sys.executable, "gpt2.py", "train", *SMALL[:4], "--steps", "100000", "--eval-every", "0",
            "--data", data, "--out", str(out), *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=launch_env())
+                            env=launch_env(), preexec_fn=default_sigint)
+
+
+def default_sigint():
+    """A shell's background job starts with SIGINT ignored, and Python keeps it so: the run must see Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for(pred, seconds, what):
