@@ -1,13 +1,11 @@
 """
 checkpoint.py - sharded, asynchronous, crash-safe checkpoints of a ZeRO-1 run, resharded on load, resumed bit-exact.
 
-A long run will be killed (preemption, a dead GPU), so it must continue exactly where it stopped. Its optimizer
-state is sharded (a minimal ZeRO-1: rank r owns 1/N of the flat fp32 parameters and of AdamW's moments), so the
-checkpoint is too: each rank copies its slice to CPU and writes it in the background while training goes on; it
-exists once rank 0 has seen every shard durable and renamed the manifest into place (the commit). A restart loads
-the newest commit onto any number of ranks (slices re-cut by global offset) with the data position and the RNG
-states: the losses equal an uninterrupted run's bit for bit at the same world size, and within about 1e-7 on
-another (fp32 sums in another order).
+A long run will be killed (preemption, a dead GPU) and must continue exactly where it stopped. Its optimizer state is
+sharded (minimal ZeRO-1: rank r owns 1/N of the flat fp32 params and AdamW moments), so the checkpoint is too: each
+rank copies its slice to CPU and writes it in the background while training goes on; rank 0 commits, once every shard
+is durable, by renaming the manifest into place. A restart loads the newest commit onto any number of ranks (re-cut by
+global offset) with the data position and RNG states: bit for bit at the same world size, ~1e-7 on another (fp32 order).
 
     flat fp32 params [======= rank 0: params, exp_avg, exp_avg_sq =======|======= rank 1: the same =======]
     a step: full grads -> reduce-scatter (my slice, mean) -> AdamW on my slice -> all-gather the params
@@ -22,13 +20,9 @@ another (fp32 sums in another order).
 
     torchrun --nproc_per_node=2 checkpoint.py --ckpt-dir out/ckpt --save-every 50   # resumes if it can
     python checkpoint.py --ckpt-dir out/ckpt --batch-size 16         # one process, same global batch: 2 -> 1
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --max-restarts 3 --nproc_per_node=8 checkpoint.py ...
-        # a dead worker restarts the job from the last commit (a fresh TCPStore per attempt: pytorch/pytorch#135712)
-
-References: Rajbhandari et al. 2020, ZeRO (section 5.1, P_os); Mohan et al. 2021, CheckFreq (FAST'21, section 4:
-snapshot to memory, persist in the background); Eisenman et al. 2022, Check-N-Run (NSDI'22); DCP and Megatron-LM's
-dist_checkpointing (resharding by global offsets); the safetensors file layout.
-From gpt2.py: the model, data and recipe, setup, the collective names, CommMeter, Metrics, Profiler, print0.
+References: ZeRO (Rajbhandari et al. 2020, section 5.1, P_os); CheckFreq (Mohan et al., FAST'21, section 4: snapshot to
+memory, persist in the background); Check-N-Run (Eisenman et al., NSDI'22); DCP and Megatron-LM's dist_checkpointing
+(resharding by global offsets); the safetensors layout. From gpt2.py: model, data, recipe, setup, collectives, print0.
 """
 import json
 import os
@@ -44,22 +38,21 @@ import torch.distributed as dist
 import gpt2
 from gpt2 import all_gather_single, print0, reduce_scatter_single
 
+DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.uint8: "U8"}  # safetensors' names
+
 
 class Zero1:
-    """Every parameter (and .grad) becomes a view into one flat fp32 vector: a rank's shard is the slice [lo, hi).
-    2-D weights first: a slice holds at most one decayed and one non-decayed piece, two AdamW parameters."""
+    """Every parameter (and .grad) views one flat fp32 vector, 2-D weights first; rank r owns the slice [lo, hi)."""
 
     def __init__(self, model, args, ctx, comm):
         self.ctx, self.comm, self.world = ctx, comm, ctx.world
         self.config = dict(model.config.__dict__)
         named = sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad),  # the tied wte once
-                       key=lambda n_p: n_p[1].dim() < 2)  # stable: the 2-D weights first, in model order
+                       key=lambda n_p: n_p[1].dim() < 2)  # so a slice is <= 1 decayed + 1 non-decayed piece
         self.numel = sum(p.numel() for _, p in named)
         self.n_decay = sum(p.numel() for _, p in named if p.dim() >= 2)
         self.shard = -(-self.numel // self.world)  # ceil: pad so every rank holds an equal slice
-        if (self.world - 1) * self.shard >= self.numel:  # same verdict on every rank: no hang
-            gpt2.fail(f"{self.world} ranks for {self.numel} parameters: the last rank would hold nothing",
-                      "--nproc_per_node", "use fewer ranks or a larger model")
+        check_world_size(self.world, self.shard, self.numel)
         self.flat = torch.zeros(self.shard * self.world, device=ctx.device, dtype=torch.float32)
         self.grad = torch.zeros_like(self.flat)
         self.layout, off = [], 0
@@ -70,9 +63,7 @@ class Zero1:
             self.layout.append([name, list(p.shape), off])
             off += p.numel()
         self.lo, self.hi = ctx.rank * self.shard, min((ctx.rank + 1) * self.shard, self.numel)  # real, unpadded
-        # the reduce-scatter output; with one rank the flat gradient itself
-        self.grad_shard = self.grad[self.lo: self.lo + self.shard] if self.world == 1 else \
-            torch.zeros(self.shard, device=ctx.device, dtype=torch.float32)
+        self.grad_shard = self.grad if self.world == 1 else torch.zeros_like(self.grad[:self.shard])  # my reduced slice
         self.pieces = [(a, b, wd) for a, b, wd in ((self.lo, min(self.hi, self.n_decay), args.weight_decay),
                                                    (max(self.lo, self.n_decay), self.hi, 0.0)) if a < b]
         self.params = [torch.nn.Parameter(self.flat[a:b]) for a, b, _ in self.pieces]  # views: AdamW writes into flat
@@ -108,19 +99,18 @@ def fsync_dir(path):  # makes a rename in the directory durable, not only the fi
     os.close(fd)
 
 
-DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.uint8: "U8"}
-
-
-def write_shard(path, tensors, meta):
-    """CPU tensors in the safetensors layout (8-byte header length, JSON header, raw bytes) to path.tmp, fsync,
-    rename to path, fsync of the directory. Returns (bytes, crc32)."""
+def write_shard(path, tensors, meta):  # CPU tensors, safetensors layout: header length, JSON header, raw bytes
     header, off = {"__metadata__": {k: json.dumps(v) for k, v in meta.items()}}, 0
     for k, t in tensors.items():
         header[k] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
         off += t.nbytes
     hb = json.dumps(header).encode()
     hb += b" " * (-len(hb) % 8)
-    chunks = [len(hb).to_bytes(8, "little"), hb] + [t.reshape(-1).view(torch.uint8).numpy() for t in tensors.values()]
+    return write_durably(path, [len(hb).to_bytes(8, "little"), hb] +
+                         [t.reshape(-1).view(torch.uint8).numpy() for t in tensors.values()])
+
+
+def write_durably(path, chunks):  # path.tmp, fsync, rename to path, fsync the directory -> (bytes, crc32)
     crc, size = 0, 0
     with open(path + ".tmp", "wb") as f:
         for c in chunks:
@@ -153,23 +143,12 @@ def parse_shard(data):  # a shard's bytes -> (tensors viewing them, metadata)
     return tensors, meta
 
 
-def step_dir(ckpt_dir, step):
-    return os.path.join(ckpt_dir, f"step_{step:06d}")
-
-
-def list_checkpoints(ckpt_dir):  # steps with a step_* directory (committed or not), newest first
-    return sorted((int(d[5:]) for d in os.listdir(ckpt_dir) if d.startswith("step_") and d[5:].isdigit()),
-                  reverse=True) if os.path.isdir(ckpt_dir) else []
-
-
 class AsyncCheckpointer:
     """Save: copy to CPU, write in a thread, rank 0 commits the manifest last. Load: the newest commit."""
 
     def __init__(self, args, ctx, zero, comm):
-        self.args, self.ctx, self.zero, self.comm = args, ctx, zero, comm
-        self.thread, self.committed = None, 0
-        # the writer thread talks over its own gloo group: collectives on one group must be issued in
-        # the same order on every rank, and the training thread's order is not the writer's
+        self.args, self.ctx, self.zero, self.comm, self.thread = args, ctx, zero, comm, None
+        # the writer's own gloo group: collectives on a group come in one order on all ranks; the trainer's differs
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)) if ctx.world > 1 else None
 
     def after_step(self, step, opt, loader):
@@ -207,9 +186,8 @@ class AsyncCheckpointer:
         return torch.tensor(out, dtype=torch.int64)
 
     def gather_reports(self, report):  # every rank's [bytes, crc32] to every rank, on the writer's group
-        reports = report.view(1, 2)
+        reports = torch.zeros(self.ctx.world, 2, dtype=torch.int64) if self.group is not None else report.view(1, 2)
         if self.group is not None:
-            reports = torch.zeros(self.ctx.world, 2, dtype=torch.int64)
             all_gather_single(reports.view(-1), report, group=self.group)
         return reports
 
@@ -218,7 +196,6 @@ class AsyncCheckpointer:
         reports = self.gather_reports(self.write(d, tensors, meta, event))
         if self.ctx.master:
             self.commit(step, d, reports, meta["loader"])
-        self.committed = step
 
     def commit(self, step, d, reports, loader_state):
         """Rank 0, every shard durable: the manifest last, by atomic rename (with what a resume must agree with)."""
@@ -228,19 +205,12 @@ class AsyncCheckpointer:
         manifest = {"format": 2, "step": step, "world": W, "numel": z.numel, "config": z.config, "layout": z.layout,
                     "schedule": {"lr": a.lr, "warmup": a.warmup, "steps": a.steps}, "global_batch": W * a.batch_size * a.grad_accum,
                     "seq_len": a.seq_len, "loader": loader_state, "shards": shards}
-        path = os.path.join(d, "manifest.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(manifest, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-        fsync_dir(d)
+        write_durably(os.path.join(d, "manifest.json"), [json.dumps(manifest).encode()])
 
     def load_latest(self, opt, loader):  # the newest committed checkpoint (one with manifest.json), or step 0
-        for step in list_checkpoints(self.args.ckpt_dir):
+        for step in list_checkpoints(self.args.ckpt_dir):  # the steps of ckpt_dir/step_NNNNNN, newest first
             if os.path.exists(path := os.path.join(step_dir(self.args.ckpt_dir, step), "manifest.json")):
-                with open(path) as f:
-                    man = json.load(f)
+                man = json.loads(read_bytes(path))
                 return self.resume(man, *self.read_slices(man, step_dir(self.args.ckpt_dir, step)), opt, loader)
         return 0
 
@@ -248,8 +218,7 @@ class AsyncCheckpointer:
         return parse_shard(read_bytes(path))
 
     def read_slices(self, man, d):
-        """My slices [lo, hi) from a checkpoint written by any number of ranks: only the shards that overlap
-        them are read, and the shard of my rank number for my RNG state."""
+        """My slices [lo, hi) from any number of writers: the overlapping shards, and my rank's for the RNG."""
         z, rng = self.zero, {}
         out = {k: torch.empty(z.hi - z.lo) for k in ("params", "exp_avg", "exp_avg_sq")}
         for r, sh in enumerate(man["shards"]):
@@ -264,8 +233,7 @@ class AsyncCheckpointer:
 
     def resume(self, man, slices, rng, opt, loader):  # my slices into the weights and AdamW; RNG and loader
         z, step = self.zero, man["step"]
-        with torch.no_grad():
-            z.flat[z.lo: z.hi].copy_(slices["params"])
+        z.flat[z.lo: z.hi].copy_(slices["params"])  # flat is a plain tensor: no autograd to bypass
         z.all_gather_params()  # everyone's slice to everyone: the full weights again
         sd = opt.state_dict()  # AdamW's bias correction counts the steps
         sd["state"] = {i: {"step": torch.tensor(float(step))} | {k: slices[k][lo - z.lo: hi - z.lo] for k in
@@ -318,18 +286,14 @@ def train(args, Checkpointer=AsyncCheckpointer):
             comm.all_reduce(4, ctx.world)
         loss_val = (loss_sum / ctx.world).item()
         gpt2.check_finite(loss_val, step)
-        t0 = time.perf_counter()
-        if ckpt:
-            ckpt.after_step(step + 1, opt, train_loader)
-        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb(), ckpt_block_ms=1e3 * (time.perf_counter() - t0))
+        block_ms = timed_ms(ckpt.after_step, step + 1, opt, train_loader) if ckpt else 0.0  # saves on schedule
+        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb(), ckpt_block_ms=block_ms)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             model.eval()
             metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
     if ckpt:
-        t0 = time.perf_counter()
-        ckpt.wait()
-        print0(f"last checkpoint committed ({1e3 * (time.perf_counter() - t0):.0f} ms waited at the end)")
+        wait_for_the_last_save(ckpt)  # the last save commits before the run ends
     metrics.plot()
 
 
@@ -337,6 +301,9 @@ def train(args, Checkpointer=AsyncCheckpointer):
 # PinnedSnapshots: the snapshot into reused pinned host buffers, queued on the GPU's stream (CheckFreq section 4).
 # SafeCheckpointer (main() uses it): finite weights before a snapshot, a failure handshake, --keep, read retries,
 # CRC-32 verdicts, corrupt checkpoints set aside, --allow-fresh-start, --fail-at. The --ckpt-dir lock: the appendix.
+# Elastic restarts: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --max-restarts 3 --nproc_per_node=8
+# checkpoint.py ... restarts the job from the last commit when a worker dies (a fresh TCPStore per attempt:
+# pytorch/pytorch#135712); --fail-at kills one worker on the first attempt to show it.
 
 
 class PinnedSnapshots(AsyncCheckpointer):
@@ -471,7 +438,7 @@ def worst_verdict(verdict, ctx):
 class SafeCheckpointer(PinnedSnapshots):
     def __init__(self, args, ctx, zero, comm):
         super().__init__(args, ctx, zero, comm)
-        self.error = None  # (step, message, local): local = this rank's own exception, not a peer's
+        self.committed, self.error = 0, None  # error: (step, message, local = this rank's own exception)
         self.hint = f"rerun the same command; it resumes from the newest committed checkpoint in {args.ckpt_dir}"
 
     def after_step(self, step, opt, loader):
@@ -657,7 +624,8 @@ class SafeCheckpointer(PinnedSnapshots):
 
 
 # ---- Appendix ----
-# The command line and its checks (all before the process group starts), and the entry point.
+# The command line and its checks (all before the process group starts), the step directories' names, the
+# ZeRO-1 world-size check, train()'s timing of its saves, and the entry point.
 
 
 def parse_args(argv):
@@ -690,8 +658,35 @@ def parse_args(argv):
     return args
 
 
+def step_dir(ckpt_dir, step):
+    return os.path.join(ckpt_dir, f"step_{step:06d}")
+
+
+def list_checkpoints(ckpt_dir):  # steps with a step_* directory (committed or not), newest first
+    return sorted((int(d[5:]) for d in os.listdir(ckpt_dir) if d.startswith("step_") and d[5:].isdigit()),
+                  reverse=True) if os.path.isdir(ckpt_dir) else []
+
+
 def committed_steps(ckpt_dir):
     return [s for s in list_checkpoints(ckpt_dir or "") if os.path.exists(os.path.join(step_dir(ckpt_dir, s), "manifest.json"))]
+
+
+def check_world_size(world, shard, numel):  # Zero1's: same verdict on every rank, before any collective
+    if (world - 1) * shard >= numel:
+        gpt2.fail(f"{world} ranks for {numel} parameters: the last rank would hold nothing",
+                  "--nproc_per_node", "use fewer ranks or a larger model")
+
+
+def wait_for_the_last_save(ckpt):  # train()'s end: how long the final background write still took
+    t0 = time.perf_counter()
+    ckpt.wait()
+    print0(f"last checkpoint committed ({1e3 * (time.perf_counter() - t0):.0f} ms waited at the end)")
+
+
+def timed_ms(fn, *a):  # train(): how long the loop was blocked by a save (the snapshot, or the previous write)
+    t0 = time.perf_counter()
+    fn(*a)
+    return 1e3 * (time.perf_counter() - t0)
 
 
 def main(argv=None):
