@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import checkpoint
 import gpt2
-from harness import ROOT, free_port, max_rel_diff, read_metrics, run_distributed, train_losses
+from harness import ROOT, free_port, launch_env, max_rel_diff, read_metrics, run_distributed, script, train_losses
 
 STEPS = 20
 
@@ -165,10 +165,10 @@ def test_corrupt_or_malformed_falls_back_and_resharding_2_to_1(straight, shakesp
 
 def test_sigkill_while_saving_leaves_a_resumable_checkpoint(straight, shakespeare, tmp_path, capsys):
     ck, port = str(tmp_path / "ck"), free_port()
-    cmd = [sys.executable, "checkpoint.py"] + flags(shakespeare, str(tmp_path / "killed"), 4, "--ckpt-dir", ck, "--save-every", "2")
+    cmd = [sys.executable, script("checkpoint.py")] + flags(shakespeare, str(tmp_path / "killed"), 4, "--ckpt-dir", ck, "--save-every", "2")
     procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                   "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"}) for r in range(2)]
+                              env=launch_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                              "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"})) for r in range(2)]
     def saving():  # a save of step >= 14 has begun (its directory exists) but is not committed yet
         ds = steps_in(ck) if os.path.isdir(ck) else []
         return [d for d in ds if int(d[5:]) >= 14 and not os.path.exists(f"{ck}/{d}/manifest.json")]
@@ -200,9 +200,9 @@ def test_sigkill_while_saving_leaves_a_resumable_checkpoint(straight, shakespear
 def test_torchrun_max_restarts_after_a_worker_dies(straight, shakespeare, tmp_path):
     out_dir = str(tmp_path / "elastic")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           "--monitor-interval=0.1", "checkpoint.py"] + \
+           "--monitor-interval=0.1", script("checkpoint.py")] + \
         flags(shakespeare, out_dir, 4, "--ckpt-dir", str(tmp_path / "ck"), "--save-every", "4", "--fail-at", "13")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see checkpoint.py
+    env = launch_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # see checkpoint.py
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
@@ -382,8 +382,9 @@ def test_a_diverged_step_is_never_committed_and_the_last_finite_one_is_kept(shak
 def test_ctrl_c_is_one_line_releases_the_locks_and_resumes_bit_exact(shakespeare, tmp_path, capsys):
     ck, out_dir = str(tmp_path / "ck"), str(tmp_path / "out")
     argv = flags(shakespeare, out_dir, 8, "--ckpt-dir", ck, "--save-every", "2", "--steps", "8")
-    proc = subprocess.Popen([sys.executable, "checkpoint.py", *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen([sys.executable, script("checkpoint.py"), *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=launch_env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a background job ignores it
     try:
         deadline = time.time() + 300
         while not os.path.exists(f"{ck}/step_000002/manifest.json"):  # a checkpoint is committed: training goes on
