@@ -437,8 +437,8 @@ def test_momentum_warmup_reaches_the_loop(shakespeare, tmp_path):
     --momentum 0.85 (the flag reaches Muon's step), not the default 0.95 it would equal if it were ignored."""
     run = [*TINY, "--data", shakespeare, "--batch-size", "8", "--steps", "3"]
     warm = muon.main([*run, "--momentum-warmup", "1000000", "--out", str(tmp_path / "warm")])
-    low = muon.main([*run, "--momentum", "0.85", "--out", str(tmp_path / "low")])
-    default = muon.main([*run, "--out", str(tmp_path / "default")])
+    muon.main([*run, "--momentum", "0.85", "--out", str(tmp_path / "low")])
+    muon.main([*run, "--out", str(tmp_path / "default")])
     w_warm, w_low, w_default = (torch.load(str(tmp_path / d / "model.pt"))["model"] for d in ("warm", "low", "default"))
     assert [r["momentum"] for r in warm if "loss" in r] == pytest.approx([0.85] * 3, abs=1e-6)
     for k in w_warm:
