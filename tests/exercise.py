@@ -106,6 +106,47 @@ HINTS = {
 }
 
 
+# The round trip a course maintainer runs (`--check`): one test per file, a copy with one deliberate bug each
+# (the original line, the bug), expected to fail with a `what differs` section or the hint.
+CHECKS = {
+    "ddp.py": ("two_ranks_match_one_process", ("1.0 / self.world", "1.0")),  # gradients summed, not averaged
+    "fsdp2.py": ("both_modes_match", ("out /= dist.get_world_size()", "out /= 1")),  # reduce-scatter summed
+    "tensor_parallel.py": ("parallel_layers_dtensor", ("return all_reduce(grad.contiguous(), ctx.grid), None",
+                                                       "return grad, None")),  # f's backward without its all-reduce
+    "pipeline.py": ("two_ranks_every_schedule", ("out = self.model.head_loss(h, ys[mb]) * self.scale",
+                                                 "out = self.model.head_loss(h, ys[mb])")),  # losses not scaled by 1/M
+    "moe_ep.py": ("expert_parallel_equals_one_process", ("    flat /= world\n", "    flat /= n\n")),  # / EP group
+    "fp8.py": ("fp8_matmul_vs_fp64", ("acc += partial * a_scales[:, k, None] * b_rows[None, :, k]",
+                                      "acc += partial * a_scales[:, k, None] * b_rows[None, :, 0]")),  # every chunk, chunk 0's scale
+    "muon.py": ("distributed_muon_equals_one_rank", ("self.own /= self.world", "self.own /= 1")),  # owners sum
+    "checkpoint.py": ("bit_exact_resume_on_two_ranks", ('loader.load_state_dict(man["loader"])', "pass")),  # data
+}
+
+
+def check(name, root, work):
+    """The exercise copy fails with its own message, the bug copy fails saying what differs, the reference
+    copy passes: each under `pytest --impl` on the file's CHECKS test. Returns [(kind, exit code, line)]."""
+    import subprocess
+    test, (line, bug) = CHECKS[name]
+    with open(os.path.join(root, name)) as f:
+        source = f.read()
+    assert source.count(line) == 1, f"{name}: the bug's line is not unique: {line!r}"
+    rows = []
+    for kind, text in (("exercise", cut(source, EXERCISES[name])), ("bug", source.replace(line, bug)),
+                       ("reference", source)):
+        d = os.path.join(work, name[:-3], kind)
+        os.makedirs(d)
+        with open(os.path.join(d, name), "w") as f:
+            f.write(text)
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"--basetemp={d}/tmp",
+                              "--impl", d, f"tests/test_{name[:-3]}.py", "-k", test], cwd=root, capture_output=True,
+                             text=True, timeout=1200)
+        key = {"exercise": "NotImplementedError: exercise", "bug": "what differs -", "reference": " passed"}[kind]
+        lines = out.stdout[out.stdout.find(key):].splitlines() if key in out.stdout else [""]
+        rows.append((kind, out.returncode, (lines[1] if kind == "bug" and len(lines) > 1 else lines[0])[:200]))
+    return rows
+
+
 def hint_for(test_module):
     return HINTS.get(test_module.rsplit(".", 1)[-1])
 
@@ -150,7 +191,15 @@ def main(argv=None):
     p.add_argument("file", nargs="?", choices=sorted(EXERCISES), help="the technique file")
     p.add_argument("--out", help="directory for your copy (then: pytest --impl DIR)")
     p.add_argument("--list", action="store_true", help="print every file's exercises")
+    p.add_argument("--check", action="store_true", help="for maintainers: the round trip of FILE (or every file)")
     a = p.parse_args(argv)
+    if a.check:
+        import tempfile
+        with tempfile.TemporaryDirectory() as work:
+            for name in [a.file] if a.file else EXERCISES:
+                for kind, code, line in check(name, root, work):
+                    print(f"{name} {kind}: exit {code} | {line}", flush=True)
+        return
     if a.list or not a.file:
         for f, items in EXERCISES.items():
             print(f)

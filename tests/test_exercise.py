@@ -5,7 +5,7 @@ import shutil
 import subprocess
 import sys
 
-from exercise import EXERCISES, cut, main
+from exercise import CHECKS, EXERCISES, cut, main
 from harness import ROOT
 
 TEST = ["tests/test_ddp.py", "-k", "two_ranks_match_one_process"]
@@ -25,6 +25,7 @@ def test_every_exercise_cuts_a_function_of_the_core(tmp_path):
             assert f'NotImplementedError("exercise {n}: {dotted}: ' in text, (name, dotted)
             assert f"def {dotted.split('.')[-1]}(" in core, f"{name}: {dotted} is not in the core"
         compile(text, name, "exec")
+        assert source.count(CHECKS[name][1][0]) == 1, name  # the --check bug's line is there, once
 
 
 def test_ddp_exercise_fails_reference_passes_bug_points_at_it(tmp_path):
