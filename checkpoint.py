@@ -1,69 +1,28 @@
 """
-checkpoint.py - sharded, asynchronous, crash-safe checkpoints for a ZeRO-1 run, with resharding
-and bit-exact resume.
+checkpoint.py - sharded, asynchronous, crash-safe checkpoints of a ZeRO-1 run, resharded on load, resumed bit-exact.
 
-The idea: a long pre-training run will be killed (preemption, a dead GPU, a bug at hour 30), so it
-must be able to continue exactly where it stopped. Here the optimizer state is sharded (a minimal
-ZeRO-1, written below: every rank owns 1/N of the fp32 parameters and of AdamW's two moments), so the
-checkpoint is sharded too: each rank writes only its own slice, tagged with its global offsets, in the
-background while training goes on. A checkpoint exists only once rank 0 has seen every shard durable
-and renamed the manifest into place; on restart the newest checkpoint whose checksums verify is loaded,
-onto any number of ranks (the slices are re-cut by global offset), together with the data-loader
-position and the RNG states, so the resumed run computes the very same losses as an uninterrupted one.
+A long run will be killed (preemption, a dead GPU) and must continue exactly where it stopped. Its optimizer state is
+sharded (minimal ZeRO-1: rank r owns 1/N of the flat fp32 params and AdamW moments), so the checkpoint is too: each
+rank copies its slice to CPU and writes it in the background while training goes on; rank 0 commits, once every shard
+is durable, by renaming the manifest into place. A restart loads the newest commit onto any number of ranks (re-cut by
+global offset) with the data position and RNG states: bit for bit at the same world size, ~1e-7 on another (fp32 order).
 
-    ZeRO-1 (2 ranks): one flat fp32 vector of all parameters, padded to a multiple of the world size
-        flat params  [=========== rank 0 slice ===========|=========== rank 1 slice ===========]
-        grads        every rank holds full grads -> reduce-scatter -> each keeps the mean of its slice
-        AdamW        each rank updates its slice (params, exp_avg, exp_avg_sq) -> all-gather params
+    flat fp32 params [======= rank 0: params, exp_avg, exp_avg_sq =======|======= rank 1: the same =======]
+    a step: full grads -> reduce-scatter (my slice, mean) -> AdamW on my slice -> all-gather the params
+    save S  main thread:   wait for save S-k | copy my slices + RNG + loader position to CPU | train on
+            writer thread: step_S/rankR-of-N.safetensors: write, fsync, rename, fsync the dir -> all-gather
+                           (bytes, crc32) -> rank 0: manifest.json.tmp, fsync, rename (the commit), fsync the dir
+    load    N writers -> M readers: rank r needs [r*L, (r+1)*L), L = padded/M: it reads the overlapping shards
 
-    save at step S (every --save-every steps)
-        main thread:  wait for save S-k | copy my slices + RNG + loader position to CPU | train on
-        writer:       step_S/rankR-of-N.safetensors (write, fsync, rename, fsync the directory, crc32)
-                      -> all-gather (ok, bytes, crc32) on a separate gloo group
-                      -> rank 0: manifest.json.tmp, fsync, rename to manifest.json (the commit), prune
-                      -> broadcast of the commit's verdict: a failed save fails every rank's next step
-    ckpt_dir/step_000010/{rank00000-of-00002.safetensors, rank00001-of-00002.safetensors, manifest.json}
+    bytes per step   2 x (N-1)/N x 4P (reduce-scatter + all-gather of the flat fp32 vector) + 12 B of all-reduces
+    memory per rank  4P params + 4P grads + 4P/N grad slice + 8P/N moments (ddp.py: 16P)
+    one save         12P/N bytes per rank (params + 2 moments) + RNG, copied into 12P/N bytes of host memory
 
-    load (N writers -> M readers): rank r of M needs global range [r*L, (r+1)*L), L = padded/M;
-        it reads and verifies only the old shards overlapping that range and copies the overlaps.
-
-A reader never destroys a checkpoint. Newest first, every rank gives its verdict and the worst wins:
-    no manifest.json         never committed: skipped, left in place
-    bad CRC-32 / manifest    corrupt: renamed aside to step_S.corrupt (kept), try the previous one
-    other flags              the manifest records shape, --lr --warmup --steps, global batch, seq len:
-                             refused, naming the flags (another world size, same global batch: resharded)
-    OSError                  retried (READ_TRIES, backoff), then the run stops, nothing moved
-and when checkpoints were set aside and none verifies, the run stops unless --allow-fresh-start.
-rank 0 holds --ckpt-dir/LOCK for the run: a second run on the same directory refuses at once.
-
-GPT-2 124M at 8 ranks (P = 124,475,904 = 8 x 15,559,488; tests/bench_checkpoint.py --per-rank-124m,
-fake process group, rank 0, measured = closed form unless shown):
-    sent per step      871.3 MB = reduce-scatter + all-gather of the fp32 flat vector, 2 x 7/8 x 4P (+12 B)
-    memory per rank    params 497.9 MB (4P, all of them) + grads 560.1 MB (4P flat + 4P/8 slice)
-                       + AdamW 124.5 MB (8P/8) = 1182.5 MB, against ddp.py's 16P = 1991.6 MB
-    activations        8.82 GB at B=16, T=1024, bf16 (+ 247 MB of bf16 weight copies): as ddp.py
-    one save           186.7 MB written per rank (12P/8: params + 2 moments; 186.72 measured with header
-                       and RNG) + a 7.7 KB manifest on rank 0; the async snapshot holds 186.7 MB of
-                       (pinned) host memory per rank, reused from save to save
-
-Launch:
     torchrun --nproc_per_node=2 checkpoint.py --ckpt-dir out/ckpt --save-every 50   # resumes if it can
-    torchrun --nproc_per_node=8 checkpoint.py --model gpt2 --data data/fineweb10B --batch-size 16 \\
-        --grad-accum 4 --compile --ckpt-dir /scratch/ckpt --save-every 250 --keep 3
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --max-restarts 3 --nproc_per_node=8 \\
-        checkpoint.py ...    # a dead worker restarts the job, which resumes from the last commit. The env
-        # var gives each attempt a fresh TCPStore: a shared one keeps the dead attempt's addresses and the
-        # new ranks may connect to them (pytorch/pytorch#135712; seen here with gloo in torch 2.13)
     python checkpoint.py --ckpt-dir out/ckpt --batch-size 16         # one process, same global batch: 2 -> 1
-
-References: Rajbhandari et al. 2020, ZeRO (section 5.1, P_os: optimizer-state partitioning);
-Mohan et al. 2021, CheckFreq (FAST'21, section 4: snapshot to memory, persist in the background);
-Eisenman et al. 2022, Check-N-Run (NSDI'22); PyTorch torch.distributed.checkpoint (DCP) and
-Megatron-LM's distributed checkpointing (resharding by global offsets); the safetensors file layout.
-
-From gpt2.py: the model and data (build_model, make_loaders), the recipe (make_adamw, set_lr,
-accumulate_grads, evaluate, check_finite), the plumbing (setup, collective names, CommMeter, Metrics,
-Profiler, print0) and the one-line errors and locks (make_parser, check_args, fail, lock_dir, run_main).
+References: ZeRO (Rajbhandari et al. 2020, section 5.1, P_os); CheckFreq (Mohan et al., FAST'21, section 4: snapshot to
+memory, persist in the background); Check-N-Run (Eisenman et al., NSDI'22); DCP and Megatron-LM's dist_checkpointing
+(resharding by global offsets); the safetensors layout. From gpt2.py: model, data, recipe, setup, collectives, print0.
 """
 import json
 import os
@@ -79,75 +38,53 @@ import torch.distributed as dist
 import gpt2
 from gpt2 import all_gather_single, print0, reduce_scatter_single
 
-# ----------------------------------------------------------------------------------------------------
-# ZeRO-1: flat fp32 parameters and gradients, AdamW on this rank's slice only
+DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.uint8: "U8"}  # safetensors' names
 
 
 class Zero1:
-    """Every parameter becomes a view into one flat fp32 vector (and every .grad a view into a flat
-    gradient vector), so the collectives run on a single buffer and a rank's shard is a plain slice
-    [lo, hi) of it. 2-D weights come first, so a slice splits into at most one decayed and one
-    non-decayed piece and can be handed to torch's AdamW as (at most) two parameters."""
+    """Every parameter (and .grad) views one flat fp32 vector, 2-D weights first; rank r owns the slice [lo, hi)."""
 
     def __init__(self, model, args, ctx, comm):
         self.ctx, self.comm, self.world = ctx, comm, ctx.world
         self.config = dict(model.config.__dict__)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # the tied wte counts once
-        named = [np_ for np_ in named if np_[1].dim() >= 2] + [np_ for np_ in named if np_[1].dim() < 2]
+        named = sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad),  # the tied wte once
+                       key=lambda n_p: n_p[1].dim() < 2)  # so a slice is <= 1 decayed + 1 non-decayed piece
         self.numel = sum(p.numel() for _, p in named)
         self.n_decay = sum(p.numel() for _, p in named if p.dim() >= 2)
         self.shard = -(-self.numel // self.world)  # ceil: pad so every rank holds an equal slice
-        if (self.world - 1) * self.shard >= self.numel:  # same verdict on every rank: no hang
-            gpt2.fail(f"{self.world} ranks for {self.numel} parameters: the last rank would hold nothing",
-                      "--nproc_per_node", "use fewer ranks or a larger model")
+        check_world_size(self.world, self.shard, self.numel)
         self.flat = torch.zeros(self.shard * self.world, device=ctx.device, dtype=torch.float32)
         self.grad = torch.zeros_like(self.flat)
         self.layout, off = [], 0
         for name, p in named:
-            n = p.numel()
-            self.flat[off: off + n].copy_(p.detach().reshape(-1))
-            p.data = self.flat[off: off + n].view_as(p)
-            p.grad = self.grad[off: off + n].view_as(p)  # backward accumulates in place into the flat buffer
+            self.flat[off: off + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.flat[off: off + p.numel()].view_as(p)
+            p.grad = self.grad[off: off + p.numel()].view_as(p)  # backward accumulates in place into the flat buffer
             self.layout.append([name, list(p.shape), off])
-            off += n
+            off += p.numel()
         self.lo, self.hi = ctx.rank * self.shard, min((ctx.rank + 1) * self.shard, self.numel)  # real, unpadded
-        # the reduce-scatter output; with one rank the flat gradient itself
-        self.grad_shard = self.grad[self.lo: self.lo + self.shard] if self.world == 1 else \
-            torch.zeros(self.shard, device=ctx.device, dtype=torch.float32)
-        # this rank's slice as optimizer parameters: views, so AdamW writes straight into self.flat
-        self.pieces = []  # (a, b, weight_decay) in global offsets
-        if self.lo < self.n_decay:
-            self.pieces.append((self.lo, min(self.hi, self.n_decay), args.weight_decay))
-        if self.hi > self.n_decay:
-            self.pieces.append((max(self.lo, self.n_decay), self.hi, 0.0))
-        self.params = []
-        for a, b, _ in self.pieces:
-            p = torch.nn.Parameter(self.flat[a:b])
+        self.grad_shard = self.grad if self.world == 1 else torch.zeros_like(self.grad[:self.shard])  # my reduced slice
+        self.pieces = [(a, b, wd) for a, b, wd in ((self.lo, min(self.hi, self.n_decay), args.weight_decay),
+                                                   (max(self.lo, self.n_decay), self.hi, 0.0)) if a < b]
+        self.params = [torch.nn.Parameter(self.flat[a:b]) for a, b, _ in self.pieces]  # views: AdamW writes into flat
+        for p, (a, b, _) in zip(self.params, self.pieces):
             p.grad = self.grad_shard[a - self.lo: b - self.lo]
-            self.params.append(p)
+        self.optimizer_groups = [{"params": [p], "weight_decay": wd} for p, (_, _, wd) in zip(self.params, self.pieces)]
 
-    def optimizer_groups(self):
-        return [{"params": [p], "weight_decay": wd} for p, (_, _, wd) in zip(self.params, self.pieces)]
-
-    def reduce_scatter_grads(self):
-        """Sum the full gradients over ranks, keep my slice, divide by N: the data-parallel mean."""
+    def reduce_scatter_grads(self):  # sum the full gradients over ranks, keep my slice, divide: the mean
         if self.world > 1:
             reduce_scatter_single(self.grad_shard, self.grad)  # SUM: gloo has no AVG
             self.grad_shard.div_(self.world)
             self.comm.reduce_scatter(self.grad.numel() * 4, self.world)
 
-    def clip_global_grad_norm(self, max_norm):
-        """torch.nn.utils.clip_grad_norm_ over the whole model, from the slices: sum of squares of my
-        slice, all-reduced, is the squared global norm (padding gradients are zero)."""
+    def clip_global_grad_norm(self, max_norm):  # my slice's sum of squares, all-reduced: the squared global norm
         sq = self.grad_shard.square().sum()
         if self.world > 1:
             dist.all_reduce(sq)
             self.comm.all_reduce(4, self.world)
-        coef = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
-        self.grad_shard.mul_(coef)
+        self.grad_shard.mul_((max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0))  # as clip_grad_norm_
 
-    def all_gather_params(self):
-        """Every rank's updated slice to every rank: in place, the input is my slice of the output."""
+    def all_gather_params(self):  # every rank's updated slice to every rank, in place
         if self.world > 1:
             all_gather_single(self.flat, self.flat[self.ctx.rank * self.shard: (self.ctx.rank + 1) * self.shard])
             self.comm.all_gather(self.flat.numel() * 4, self.world)
@@ -156,12 +93,241 @@ class Zero1:
         self.grad.zero_()  # never set_to_none: the .grad views must keep pointing into self.grad
 
 
-# ----------------------------------------------------------------------------------------------------
-# Shard files: the safetensors layout (8-byte header length, JSON header, raw bytes), CRC-32 on the fly.
-# CRC-32 catches accidental corruption (flipped bits, torn or truncated writes) at ~3 GB/s; it is not a
-# defence against deliberate tampering (that would take a cryptographic hash, ~5x slower here).
+def fsync_dir(path):  # makes a rename in the directory durable, not only the file's bytes
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
 
-DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.uint8: "U8"}
+
+def write_shard(path, tensors, meta):  # CPU tensors, safetensors layout: header length, JSON header, raw bytes
+    header, off = {"__metadata__": {k: json.dumps(v) for k, v in meta.items()}}, 0
+    for k, t in tensors.items():
+        header[k] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+        off += t.nbytes
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    return write_durably(path, [len(hb).to_bytes(8, "little"), hb] +
+                         [t.reshape(-1).view(torch.uint8).numpy() for t in tensors.values()])
+
+
+def write_durably(path, chunks):  # path.tmp, fsync, rename to path, fsync the directory -> (bytes, crc32)
+    crc, size = 0, 0
+    with open(path + ".tmp", "wb") as f:
+        for c in chunks:
+            f.write(c)  # both release the GIL on large buffers: training goes on meanwhile
+            crc = zlib.crc32(c, crc)  # catches flipped bits and torn writes at ~3 GB/s (not tampering)
+            size += len(c)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    fsync_dir(os.path.dirname(path))
+    return size, crc
+
+
+def read_bytes(path):
+    with open(path, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        f.readinto(data)  # straight into a writable buffer: no extra copy for frombuffer
+    return data
+
+
+def parse_shard(data):  # a shard's bytes -> (tensors viewing them, metadata)
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8: 8 + n])
+    meta = {k: json.loads(v) for k, v in header.pop("__metadata__").items()}
+    dt, tensors = {v: k for k, v in DTYPES.items()}, {}
+    for k, m in header.items():
+        (a, b), t = m["data_offsets"], dt[m["dtype"]]
+        tensors[k] = torch.frombuffer(data, dtype=t, count=(b - a) // t.itemsize, offset=8 + n + a).view(m["shape"]) \
+            if b > a else torch.empty(m["shape"], dtype=t)
+    return tensors, meta
+
+
+class AsyncCheckpointer:
+    """Save: copy to CPU, write in a thread, rank 0 commits the manifest last. Load: the newest commit."""
+
+    def __init__(self, args, ctx, zero, comm):
+        self.args, self.ctx, self.zero, self.comm, self.thread = args, ctx, zero, comm, None
+        # the writer's own gloo group: collectives on a group come in one order on all ranks; the trainer's differs
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)) if ctx.world > 1 else None
+
+    def after_step(self, step, opt, loader):
+        if self.args.save_every and (step % self.args.save_every == 0 or step == self.args.steps):
+            self.save(step, opt, loader)  # the state *after* step - 1: a resume runs step next
+
+    def snapshot(self, opt):
+        """This rank's slice and its two moments, copied to CPU now: the next optimizer step overwrites them."""
+        z = self.zero
+        out = {"params": z.flat[z.lo: z.hi]} | {k: torch.cat([opt.state[p][k] for p in z.params]) for k in
+                                                ("exp_avg", "exp_avg_sq")}
+        out = {k: v.to("cpu", copy=True) for k, v in out.items()} | {"rng_cpu": torch.get_rng_state()}
+        if self.ctx.device.type == "cuda":
+            out["rng_cuda"] = torch.cuda.get_rng_state(self.ctx.device)
+        return out, None
+
+    def save(self, step, opt, loader):
+        """Block only for the previous save and for the copy to CPU; the rest runs in the background."""
+        self.wait()  # a new save waits for the previous one
+        tensors, event = self.snapshot(opt)
+        meta = {"step": step, "rank": self.ctx.rank, "world": self.ctx.world, "lo": self.zero.lo, "hi": self.zero.hi,
+                "loader": loader.state_dict(), "config": self.zero.config}
+        self.thread = threading.Thread(target=self.write_and_commit, args=(step, tensors, meta, event), daemon=True)
+        self.thread.start()
+
+    def wait(self):
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    def write(self, d, tensors, meta, event):  # the writer thread: this rank's shard, durable -> [bytes, crc32]
+        os.makedirs(d, exist_ok=True)
+        out = write_shard(os.path.join(d, f"rank{self.ctx.rank:05d}-of-{self.ctx.world:05d}.safetensors"), tensors, meta)
+        fsync_dir(self.args.ckpt_dir)  # the step directory's own entry: another node's rank may have made it
+        return torch.tensor(out, dtype=torch.int64)
+
+    def gather_reports(self, report):  # every rank's [bytes, crc32] to every rank, on the writer's group
+        reports = torch.zeros(self.ctx.world, 2, dtype=torch.int64) if self.group is not None else report.view(1, 2)
+        if self.group is not None:
+            all_gather_single(reports.view(-1), report, group=self.group)
+        return reports
+
+    def write_and_commit(self, step, tensors, meta, event):
+        d = step_dir(self.args.ckpt_dir, step)
+        reports = self.gather_reports(self.write(d, tensors, meta, event))
+        if self.ctx.master:
+            self.commit(step, d, reports, meta["loader"])
+
+    def commit(self, step, d, reports, loader_state):
+        """Rank 0, every shard durable: the manifest last, by atomic rename (with what a resume must agree with)."""
+        z, W, a = self.zero, self.ctx.world, self.args
+        shards = [{"file": f"rank{r:05d}-of-{W:05d}.safetensors", "lo": r * z.shard, "hi": min((r + 1) * z.shard, z.numel),
+                   "bytes": nbytes, "crc32": crc} for r, (nbytes, crc) in enumerate(reports.tolist())]
+        manifest = {"format": 2, "step": step, "world": W, "numel": z.numel, "config": z.config, "layout": z.layout,
+                    "schedule": {"lr": a.lr, "warmup": a.warmup, "steps": a.steps}, "global_batch": W * a.batch_size * a.grad_accum,
+                    "seq_len": a.seq_len, "loader": loader_state, "shards": shards}
+        write_durably(os.path.join(d, "manifest.json"), [json.dumps(manifest).encode()])
+
+    def load_latest(self, opt, loader):  # the newest committed checkpoint (one with manifest.json), or step 0
+        for step in list_checkpoints(self.args.ckpt_dir):  # the steps of ckpt_dir/step_NNNNNN, newest first
+            if os.path.exists(path := os.path.join(step_dir(self.args.ckpt_dir, step), "manifest.json")):
+                man = json.loads(read_bytes(path))
+                return self.resume(man, *self.read_slices(man, step_dir(self.args.ckpt_dir, step)), opt, loader)
+        return 0
+
+    def read_shard(self, path, sh, step):
+        return parse_shard(read_bytes(path))
+
+    def read_slices(self, man, d):
+        """My slices [lo, hi) from any number of writers: the overlapping shards, and my rank's for the RNG."""
+        z, rng = self.zero, {}
+        out = {k: torch.empty(z.hi - z.lo) for k in ("params", "exp_avg", "exp_avg_sq")}
+        for r, sh in enumerate(man["shards"]):
+            a, b = max(sh["lo"], z.lo), min(sh["hi"], z.hi)
+            if a < b or r == self.ctx.rank:
+                tensors, _ = self.read_shard(os.path.join(d, sh["file"]), sh, man["step"])
+                for k in out if a < b else ():
+                    out[k][a - z.lo: b - z.lo] = tensors[k][a - sh["lo"]: b - sh["lo"]]
+                if r == self.ctx.rank:  # a rank that did not exist in the old world keeps its seeded RNG
+                    rng = {k: tensors[k].clone() for k in ("rng_cpu", "rng_cuda") if k in tensors}
+        return out, rng
+
+    def resume(self, man, slices, rng, opt, loader):  # my slices into the weights and AdamW; RNG and loader
+        z, step = self.zero, man["step"]
+        z.flat[z.lo: z.hi].copy_(slices["params"])  # flat is a plain tensor: no autograd to bypass
+        z.all_gather_params()  # everyone's slice to everyone: the full weights again
+        sd = opt.state_dict()  # AdamW's bias correction counts the steps
+        sd["state"] = {i: {"step": torch.tensor(float(step))} | {k: slices[k][lo - z.lo: hi - z.lo] for k in
+                       ("exp_avg", "exp_avg_sq")} for i, (lo, hi, _) in enumerate(z.pieces)}
+        opt.load_state_dict(sd)
+        if "rng_cpu" in rng:
+            torch.set_rng_state(rng["rng_cpu"])
+        if "rng_cuda" in rng and self.ctx.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["rng_cuda"], self.ctx.device)
+        loader.load_state_dict(man["loader"])  # a token offset: valid for any world size
+        return step
+
+
+def train(args, Checkpointer=AsyncCheckpointer):
+    """gpt2.train's loop on ZeRO-1, resumed from and saved to --ckpt-dir (main() passes SafeCheckpointer)."""
+    ctx = gpt2.setup(args, resumes=True)  # a run continues in its --out (parse_args refused an unrelated one)
+    comm = gpt2.CommMeter()
+    model = gpt2.build_model(args).to(ctx.device)
+    zero = Zero1(model, args, ctx, comm)
+    opt = gpt2.make_adamw(zero.optimizer_groups, args, ctx.device)
+    train_loader, val_loader = gpt2.make_loaders(args, ctx.rank, ctx.world, model.config.vocab_size)
+    ckpt = Checkpointer(args, ctx, zero, comm) if args.ckpt_dir else None
+    start = ckpt.load_latest(opt, train_loader) if ckpt else 0
+    if start >= args.steps:
+        return print0(f"checkpoint at step {start} >= --steps {args.steps}: nothing left to train")
+    fwd = torch.compile(model) if args.compile else model
+    tokens = ctx.world * args.batch_size * args.seq_len * args.grad_accum  # metrics.jsonl keeps the curve before start
+    metrics = gpt2.Metrics(args, ctx, model.config, model.num_params(), tokens, resume_step=start)
+    profiler = gpt2.Profiler(args, ctx)
+    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {ctx.world} ranks x "
+           f"{zero.shard:,} flat params each | device {ctx.device} {ctx.dtype}")
+
+    def loss_fn(x, y):
+        with ctx.autocast():
+            return fwd(x, y)[1]
+
+    for step in range(start, args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = gpt2.set_lr(opt, step, args)
+        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
+        zero.reduce_scatter_grads()
+        if args.grad_clip > 0:
+            zero.clip_global_grad_norm(args.grad_clip)
+        opt.step()
+        zero.all_gather_params()
+        zero.zero_grad()
+        if ctx.world > 1:  # the logged loss: the mean over the global batch, as in one process
+            dist.all_reduce(loss_sum)
+            comm.all_reduce(4, ctx.world)
+        loss_val = (loss_sum / ctx.world).item()
+        gpt2.check_finite(loss_val, step)
+        block_ms = timed_ms(ckpt.after_step, step + 1, opt, train_loader) if ckpt else 0.0  # saves on schedule
+        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb(), ckpt_block_ms=block_ms)
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            model.eval()
+            metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
+            model.train()
+    if ckpt:
+        wait_for_the_last_save(ckpt)  # the last save commits before the run ends
+    metrics.plot()
+
+
+# ---- Beyond the core ----
+# PinnedSnapshots: the snapshot into reused pinned host buffers, queued on the GPU's stream (CheckFreq section 4).
+# SafeCheckpointer (main() uses it): finite weights before a snapshot, a failure handshake, --keep, read retries,
+# CRC-32 verdicts, corrupt checkpoints set aside, --allow-fresh-start, --fail-at. The --ckpt-dir lock: the appendix.
+# Elastic restarts: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --max-restarts 3 --nproc_per_node=8
+# checkpoint.py ... restarts the job from the last commit when a worker dies (a fresh TCPStore per attempt:
+# pytorch/pytorch#135712); --fail-at kills one worker on the first attempt to show it.
+
+
+class PinnedSnapshots(AsyncCheckpointer):
+    buffers = None
+
+    def snapshot(self, opt):
+        z, n, cuda = self.zero, self.zero.hi - self.zero.lo, self.ctx.device.type == "cuda"
+        if self.buffers is None:
+            self.buffers = {k: torch.empty(n, dtype=torch.float32, pin_memory=cuda) for k in ("params", "exp_avg", "exp_avg_sq")}
+        b = self.buffers
+        b["params"].copy_(z.flat[z.lo: z.hi], non_blocking=cuda)
+        for p, (lo, hi, _) in zip(z.params, z.pieces):
+            for k in ("exp_avg", "exp_avg_sq"):
+                b[k][lo - z.lo: hi - z.lo].copy_(opt.state[p][k], non_blocking=cuda)
+        out, event = dict(b, rng_cpu=torch.get_rng_state()), None
+        if cuda:
+            out["rng_cuda"], event = torch.cuda.get_rng_state(self.ctx.device), torch.cuda.Event()
+            event.record()
+        return out, event
+
+    def write(self, d, tensors, meta, event):
+        if event is not None:
+            event.synchronize()  # the snapshot's copies have landed in host memory
+        return super().write(d, tensors, meta, event)
 
 
 class CorruptCheckpoint(Exception):
@@ -178,45 +344,9 @@ class Unreadable(Exception):
 
 
 READ_TRIES, READ_BACKOFF_S = 3, 0.5  # a shared filesystem's hiccups (failover, stale handle) pass in seconds
-
-
-def fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # makes the rename itself durable, not only the file's bytes
-    finally:
-        os.close(fd)
-
-
-def write_shard(path, tensors, meta):
-    """Write CPU tensors to path (via path.tmp + fsync + rename + fsync of the directory) and return
-    (bytes, crc32). Every rank does all of it before it reports its shard durable: on a multi-node
-    filesystem rank 0's fsync of the directory says nothing about another node's rename."""
-    header, off = {"__metadata__": {k: json.dumps(v) for k, v in meta.items()}}, 0
-    for k, t in tensors.items():
-        header[k] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + t.numel() * t.element_size()]}
-        off += t.numel() * t.element_size()
-    hb = json.dumps(header).encode()
-    hb += b" " * (-len(hb) % 8)
-    chunks = [len(hb).to_bytes(8, "little"), hb] + [t.reshape(-1).view(torch.uint8).numpy() for t in tensors.values()]
-    crc, size = 0, 0
-    with open(path + ".tmp", "wb") as f:
-        for c in chunks:
-            f.write(c)  # both release the GIL on large buffers: training goes on meanwhile
-            crc = zlib.crc32(c, crc)
-            size += len(c)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-    fsync_dir(os.path.dirname(path))
-    return size, crc
-
-
-def read_bytes(path):
-    with open(path, "rb") as f:
-        data = bytearray(os.fstat(f.fileno()).st_size)
-        f.readinto(data)  # straight into a writable buffer: no extra copy for frombuffer
-    return data
+OK, UNCOMMITTED, CORRUPT, MISMATCH, UNREADABLE = range(5)  # a rank's verdict on one candidate; worst wins
+MANIFEST = {"format": int, "step": int, "world": int, "numel": int, "config": dict, "layout": list, "schedule": dict,
+            "global_batch": int, "seq_len": int, "loader": dict, "shards": list}
 
 
 def read_with_retries(path):
@@ -234,41 +364,10 @@ def read_with_retries(path):
             time.sleep(wait)
 
 
-def read_shard(path, nbytes, crc32):
-    """Read a whole shard, verify size and checksum, return (tensors, metadata)."""
-    data = read_with_retries(path)
-    if len(data) != nbytes or zlib.crc32(data) != crc32:
-        raise CorruptCheckpoint(f"{path}: size {len(data)} / crc32 {zlib.crc32(data):08x} differ from the "
-                                f"manifest's {nbytes} / {crc32:08x}")
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8: 8 + n])
-    meta = {k: json.loads(v) for k, v in header.pop("__metadata__").items()}
-    dt = {v: k for k, v in DTYPES.items()}
-    tensors = {}
-    for k, m in header.items():
-        a, b = m["data_offsets"]
-        tensors[k] = torch.frombuffer(data, dtype=dt[m["dtype"]], count=(b - a) // dt[m["dtype"]].itemsize,
-                                      offset=8 + n + a).view(m["shape"]) if b > a else torch.empty(m["shape"], dtype=dt[m["dtype"]])
-    return tensors, meta
-
-
-def step_dir(ckpt_dir, step):
-    return os.path.join(ckpt_dir, f"step_{step:06d}")
-
-
-def list_checkpoints(ckpt_dir):
-    """Steps that have a step_* directory (committed or not), newest first."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    steps = [int(d[5:]) for d in os.listdir(ckpt_dir) if d.startswith("step_") and d[5:].isdigit()]
-    return sorted(steps, reverse=True)
-
-
 def list_set_aside(ckpt_dir):
     """Checkpoints renamed aside as corrupt (step_N.corrupt, step_N.corrupt1, ...)."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    return sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and ".corrupt" in d)
+    return sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and ".corrupt" in d) \
+        if os.path.isdir(ckpt_dir) else []
 
 
 def set_aside(d):
@@ -279,174 +378,6 @@ def set_aside(d):
     os.rename(d, f"{d}.corrupt{i or ''}")
     fsync_dir(os.path.dirname(d))
     return f"{d}.corrupt{i or ''}"
-
-
-# ----------------------------------------------------------------------------------------------------
-# Save: snapshot to CPU memory, write in a background thread, commit by rank 0's manifest rename
-
-
-class AsyncCheckpointer:
-    def __init__(self, args, ctx, zero, comm):
-        self.args, self.ctx, self.zero, self.comm = args, ctx, zero, comm
-        self.thread, self.buffers, self.committed = None, None, None
-        self.error = None  # (step, message, local): local = this rank's own exception, not a peer's
-        # the writer thread talks over its own gloo group: collectives on one group must be issued in
-        # the same order on every rank, and the training thread's order is not the writer's
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)) if ctx.world > 1 else None
-
-    def failed(self):
-        """Whether a finished background save failed (the training loop all-reduces it with the loss)."""
-        return self.error is not None
-
-    def raise_failure(self):
-        """The one-line error of a failed save, on every rank. The writer's handshake already told every
-        rank that some rank failed; the rank whose own write or commit failed prints why."""
-        self.wait_thread()
-        step, why, local = self.error or ("?", "a peer's save failed", False)
-        last = f"step {self.committed} is the last committed checkpoint" if self.committed else "nothing was committed"
-        gpt2.fail(f"checkpoint save of step {step} failed on rank {self.ctx.rank}: {why}" if local else
-                  f"checkpoint save of step {step} failed: {why}", "--ckpt-dir",
-                  f"{last}; fix {self.args.ckpt_dir} (space, permissions) and relaunch to resume", local=local)
-
-    def wait_thread(self):
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-
-    def wait(self):
-        self.wait_thread()
-        if self.error is not None:
-            self.raise_failure()
-
-    def snapshot(self, opt):
-        """Copy this rank's slices to CPU (pinned, reused) buffers. On CUDA the copies are queued on
-        the compute stream, so the next optimizer step cannot overwrite them first; the writer waits
-        on an event. Returns the tensors to write."""
-        z, n = self.zero, self.zero.hi - self.zero.lo
-        cuda = self.ctx.device.type == "cuda"
-        if self.buffers is None:
-            self.buffers = {k: torch.empty(n, dtype=torch.float32, pin_memory=cuda) for k in ("params", "exp_avg", "exp_avg_sq")}
-        b = self.buffers
-        b["params"].copy_(z.flat[z.lo: z.hi], non_blocking=cuda)
-        for p, (lo, hi, _) in zip(z.params, z.pieces):
-            st = opt.state[p]
-            b["exp_avg"][lo - z.lo: hi - z.lo].copy_(st["exp_avg"], non_blocking=cuda)
-            b["exp_avg_sq"][lo - z.lo: hi - z.lo].copy_(st["exp_avg_sq"], non_blocking=cuda)
-        out = dict(b, rng_cpu=torch.get_rng_state())
-        if cuda:
-            out["rng_cuda"] = torch.cuda.get_rng_state(self.ctx.device)
-            event = torch.cuda.Event()
-            event.record()
-            return out, event
-        return out, None
-
-    def check_finite(self, step, opt):
-        """Every rank, before its snapshot (a collective): a diverged update is never committed, so the
-        newest committed checkpoint, which pruning always keeps, is a finite one."""
-        z = self.zero
-        moments = [opt.state[p][k] for p in z.params for k in ("exp_avg", "exp_avg_sq")]
-        try:
-            gpt2.check_finite_weights([z.flat[z.lo: z.hi], *moments], step - 1, self.ctx.device)
-        except gpt2.UsageError as e:
-            last = f"step {self.committed}, the newest committed checkpoint, is finite and kept" if self.committed \
-                else "nothing was committed"
-            gpt2.fail(str(e).split(" (--lr): ")[0], "--lr", f"{last}; lower --lr (with another --ckpt-dir), "
-                      "keep --grad-clip on, or raise --warmup")
-
-    def save(self, step, opt, loader):
-        """Block only for the previous save and for the copy to CPU; the rest runs in the background."""
-        self.wait()  # a new save waits for the previous one (and reuses its buffers)
-        self.check_finite(step, opt)
-        tensors, event = self.snapshot(opt)
-        meta = {"step": step, "rank": self.ctx.rank, "world": self.ctx.world, "lo": self.zero.lo,
-                "hi": self.zero.hi, "loader": loader.state_dict(), "config": self.zero.config}
-        if self.ctx.world > 1:
-            self.comm.all_gather(self.ctx.world * 24, self.ctx.world)  # the writer's commit handshake
-            self.comm.broadcast(8, self.ctx.world)  # and rank 0's verdict on the commit
-        self.thread = threading.Thread(target=self._write_and_commit, args=(step, tensors, meta, event), daemon=True)
-        self.thread.start()
-
-    def _write_and_commit(self, step, tensors, meta, event):
-        ctx, d = self.ctx, step_dir(self.args.ckpt_dir, step)
-        name = f"rank{ctx.rank:05d}-of-{ctx.world:05d}.safetensors"
-        report = torch.zeros(3, dtype=torch.int64)  # ok flag, byte count, crc32
-        mine = None
-        try:
-            if event is not None:
-                event.synchronize()
-            os.makedirs(d, exist_ok=True)
-            if os.path.exists(os.path.join(d, "manifest.json")):  # never overwrite a committed checkpoint
-                raise FileExistsError(f"{d} already holds a committed checkpoint; not overwritten")
-            report[:] = torch.tensor([1, *write_shard(os.path.join(d, name), tensors, meta)])
-            fsync_dir(self.args.ckpt_dir)  # the step directory's own entry, whichever rank created it
-        except BaseException as e:  # still join the handshake below, so no peer waits for us forever
-            mine = f"{e.__class__.__name__}: {e}"
-        try:
-            reports = torch.zeros(ctx.world, 3, dtype=torch.int64)
-            if self.group is not None:
-                all_gather_single(reports.view(-1), report, group=self.group)
-            else:
-                reports[0] = report
-            failed = [r for r in range(ctx.world) if not reports[r, 0]]
-            if failed:  # every rank learns it here, so every rank stops at the same step
-                self.error = (step, mine, True) if mine else (step, f"rank(s) {failed} could not write their shard", False)
-                return
-            verdict = torch.ones(1, dtype=torch.int64)
-            if ctx.master:
-                try:
-                    self._commit(step, d, reports, meta["loader"])
-                except BaseException as e:
-                    verdict[0], mine = 0, f"{e.__class__.__name__}: {e}"
-            if self.group is not None:
-                dist.broadcast(verdict, 0, group=self.group)
-            if not verdict[0]:
-                self.error = (step, mine, True) if ctx.master else (step, "rank 0 could not commit the manifest", False)
-                return
-            self.committed = step
-            gpt2.RUN["resume"] = f"rerun the same command; it resumes from the newest committed checkpoint in {self.args.ckpt_dir}"
-        except BaseException as e:  # the handshake itself failed (a peer died)
-            self.error = (step, f"{e.__class__.__name__}: {e}", True)
-
-    def _commit(self, step, d, reports, loader_state):
-        """Rank 0, once every shard is durable: the manifest goes last, by atomic rename. It records what
-        a resume must agree with: the model's shape and layout, the LR schedule, the global batch, and
-        where the data loader stands."""
-        z, W, a = self.zero, self.ctx.world, self.args
-        shards = []
-        for r, (_, nbytes, crc) in enumerate(reports.tolist()):
-            shards.append({"file": f"rank{r:05d}-of-{W:05d}.safetensors", "lo": r * z.shard, "hi": min((r + 1) * z.shard, z.numel),
-                           "bytes": nbytes, "crc32": crc})
-        manifest = {"format": 2, "step": step, "world": W, "numel": z.numel, "config": z.config, "layout": z.layout,
-                    "schedule": {"lr": a.lr, "warmup": a.warmup, "steps": a.steps}, "global_batch": W * a.batch_size * a.grad_accum,
-                    "seq_len": a.seq_len, "loader": loader_state, "shards": shards}
-        path = os.path.join(d, "manifest.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(manifest, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-        fsync_dir(d)
-        self.prune(step)
-
-    def prune(self, newest):
-        """Keep the last --keep committed checkpoints; drop older ones and older uncommitted leftovers.
-        Newer directories and the ones set aside as corrupt are never touched."""
-        kept = 0
-        for s in list_checkpoints(self.args.ckpt_dir):
-            committed = os.path.exists(os.path.join(step_dir(self.args.ckpt_dir, s), "manifest.json"))
-            if s <= newest and committed and kept < self.args.keep:
-                kept += 1
-            elif s < newest:
-                shutil.rmtree(step_dir(self.args.ckpt_dir, s), ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Load: the newest checkpoint that verifies, re-cut to this world's slices. A reader never deletes:
-# uncommitted directories are skipped and left, corrupt checkpoints are renamed aside, and an I/O error
-# or a checkpoint of another run's schedule or shape stops the run with every checkpoint in place.
-
-MANIFEST = {"format": int, "step": int, "world": int, "numel": int, "config": dict, "layout": list, "schedule": dict,
-            "global_batch": int, "seq_len": int, "loader": dict, "shards": list}
 
 
 def read_manifest(d, step):
@@ -494,29 +425,7 @@ def resume_mismatch(man, args, zero, world):
     return diff
 
 
-def read_slices(man, d, zero, ctx):
-    """This rank's slices of a verified manifest's checkpoint (any writer world size)."""
-    out = {k: torch.empty(zero.hi - zero.lo) for k in ("params", "exp_avg", "exp_avg_sq")}
-    rng = {}
-    for r, sh in enumerate(man["shards"]):
-        a, b = max(sh["lo"], zero.lo), min(sh["hi"], zero.hi)
-        if a >= b and r != ctx.rank:
-            continue  # a shard I need neither for my slice nor for my RNG state
-        tensors, meta = read_shard(os.path.join(d, sh["file"]), sh["bytes"], sh["crc32"])
-        if meta["lo"] != sh["lo"] or meta["step"] != man["step"]:
-            raise CorruptCheckpoint(f"{d}/{sh['file']}: its metadata disagrees with the manifest")
-        for k in out:
-            if a < b:
-                out[k][a - zero.lo: b - zero.lo] = tensors[k][a - sh["lo"]: b - sh["lo"]]
-        if r == ctx.rank:  # a rank of the new world that did not exist in the old keeps its seeded RNG
-            rng = {k: tensors[k].clone() for k in ("rng_cpu", "rng_cuda") if k in tensors}
-    return out, rng
-
-
-OK, UNCOMMITTED, CORRUPT, MISMATCH, UNREADABLE = range(5)  # a rank's verdict on one candidate; worst wins
-
-
-def agree(verdict, ctx):
+def worst_verdict(verdict, ctx):
     """The worst verdict over the ranks, and the lowest rank that reached it: one all-reduce of
     verdict * world + (world - 1 - rank), MAX."""
     if ctx.world == 1:
@@ -526,170 +435,197 @@ def agree(verdict, ctx):
     return int(t) // ctx.world, ctx.world - 1 - int(t) % ctx.world
 
 
-def load_latest(args, zero, opt, loader, ctx):
-    """Try the checkpoints newest first; every rank must verify its part of one. Returns its step, or 0
-    when the directory holds no checkpoint (or none verifies and --allow-fresh-start is given)."""
-    if not args.ckpt_dir:
-        return 0
-    steps, n_aside = list_checkpoints(args.ckpt_dir), len(list_set_aside(args.ckpt_dir))
-    if ctx.world > 1:  # everyone walks rank 0's list, so no rank can disagree on the candidates
-        n = torch.tensor([len(steps), n_aside], dtype=torch.int64, device=ctx.device)  # NCCL wants device tensors
-        dist.broadcast(n, 0)
-        n_aside = int(n[1])
-        t = torch.tensor(steps if ctx.master else [0] * int(n[0]), dtype=torch.int64, device=ctx.device)
-        if len(t):
-            dist.broadcast(t, 0)
-        steps = t.tolist()
-    corrupt = []
-    for step in steps:
-        d = step_dir(args.ckpt_dir, step)
-        verdict, why, diff = OK, "", []
-        try:
-            man = read_manifest(d, step)
-            diff = resume_mismatch(man, args, zero, ctx.world)
-            if diff:
-                verdict = MISMATCH
-            else:
-                slices, rng = read_slices(man, d, zero, ctx)
-        except Uncommitted as e:
-            verdict, why = UNCOMMITTED, str(e)
-        except CorruptCheckpoint as e:
-            verdict, why = CORRUPT, str(e)
-        except Unreadable as e:
-            verdict, why = UNREADABLE, str(e)
-        worst, who = agree(verdict, ctx)
-        if worst == UNREADABLE:
-            todo = (f"nothing was moved or deleted; fix the filesystem and relaunch, or move {d} out of "
-                    f"{args.ckpt_dir} to resume from an older checkpoint")
-            if verdict == UNREADABLE:
-                gpt2.fail(f"cannot read checkpoint step {step}: {why}", "--ckpt-dir", todo, local=True)
-            gpt2.fail(f"rank {who} cannot read checkpoint step {step}", "--ckpt-dir", todo)
-        if worst == MISMATCH and verdict != MISMATCH:  # a lagging filesystem: rank 0 may not see it yet
-            gpt2.fail(f"rank {who} found {d} written with other flags", "--ckpt-dir", "compare its manifest.json")
-        if worst == MISMATCH:  # the manifest is one file: every rank found the same differences
-            gpt2.fail(f"{d} was written with {' '.join(f'{f} {a}' for f, a, _ in diff)}, this run has "
-                      f"{' '.join(f'{f} {b}' for f, _, b in diff)}", " ".join(f for f, _, _ in diff),
-                      "resume with the checkpoint's values (a different world size with the same global batch is "
-                      "fine), or give another --ckpt-dir")
-        if worst == UNCOMMITTED:
-            print0(f"checkpoint step {step} was never committed (no manifest.json): skipped, left in place")
-            continue
-        if worst == CORRUPT:
-            if verdict == CORRUPT:
-                print(f"[rank {ctx.rank}] checkpoint step {step} is corrupt: {why}", flush=True)
-            if ctx.master:  # after the all-reduce: no rank still reads it
-                print0(f"checkpoint step {step} renamed aside to {set_aside(d)}; trying the previous one")
-            corrupt.append(step)
-            continue
-        with torch.no_grad():
-            zero.flat[zero.lo: zero.hi].copy_(slices["params"])
-        zero.all_gather_params()  # everyone's slice to everyone: the full weights again
-        zero.comm.take_mb()
-        sd = opt.state_dict()
-        for i, (lo, hi, _) in enumerate(zero.pieces):
-            sd["state"][i] = {"step": torch.tensor(float(step)),  # AdamW's bias correction counts steps
-                              "exp_avg": slices["exp_avg"][lo - zero.lo: hi - zero.lo],
-                              "exp_avg_sq": slices["exp_avg_sq"][lo - zero.lo: hi - zero.lo]}
-        opt.load_state_dict(sd)
-        if "rng_cpu" in rng:
-            torch.set_rng_state(rng["rng_cpu"])
-        if "rng_cuda" in rng and ctx.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["rng_cuda"], ctx.device)
-        loader.load_state_dict(man["loader"])  # a token offset: valid for any world size
-        if man["world"] != ctx.world:
-            print0(f"resharding: written by {man['world']} ranks, loaded by {ctx.world}")
-        print0(f"resumed from step {step}")
-        return step
-    if corrupt or n_aside:
-        what = f"{len(corrupt) + n_aside} checkpoint(s) in {args.ckpt_dir} are corrupt (renamed aside as *.corrupt)"
-        if not args.allow_fresh_start:
-            gpt2.fail(f"{what} and none verifies", "--ckpt-dir", "inspect them, or pass --allow-fresh-start to "
-                      "train from step 0 (they stay aside), or give another --ckpt-dir")
-        print0(f"{what}; starting from step 0 (--allow-fresh-start)")
-    return 0
+class SafeCheckpointer(PinnedSnapshots):
+    def __init__(self, args, ctx, zero, comm):
+        super().__init__(args, ctx, zero, comm)
+        self.committed, self.error = 0, None  # error: (step, message, local = this rank's own exception)
+        self.hint = f"rerun the same command; it resumes from the newest committed checkpoint in {args.ckpt_dir}"
 
+    def after_step(self, step, opt, loader):
+        failed = self.error is not None  # a background save that failed fails this step, on every rank at once
+        if self.ctx.world > 1:
+            failed = not gpt2.agree(not failed, self.ctx.device)
+            self.comm.all_reduce(4, self.ctx.world)
+        if failed:
+            self.raise_failure()
+        super().after_step(step, opt, loader)
+        self.fail_at(step)
 
-# ----------------------------------------------------------------------------------------------------
-# Training: gpt2.train's loop on ZeRO-1, with saves and resume
-
-
-def main(argv=None):
-    args = parse_args(argv)  # the flags and their checks, in the appendix; --ckpt-dir is locked by rank 0
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    own_group = world > 1 and not dist.is_initialized()  # tests may call main() inside their own group
-    ctx = gpt2.setup(args, resumes=True)  # a run continues in its --out
-    comm = gpt2.CommMeter()
-    model = gpt2.build_model(args).to(ctx.device)
-    cfg = model.config
-    zero = Zero1(model, args, ctx, comm)
-    opt = gpt2.make_adamw(zero.optimizer_groups(), args, ctx.device)
-    train_loader, val_loader = gpt2.make_loaders(args, ctx.rank, ctx.world, cfg.vocab_size)
-    ckpt = AsyncCheckpointer(args, ctx, zero, comm) if args.ckpt_dir else None
-    start = load_latest(args, zero, opt, train_loader, ctx)
-    if ckpt:
-        ckpt.committed = start
-        gpt2.RUN["resume"] = (f"rerun the same command; it resumes from the newest committed checkpoint in {args.ckpt_dir}"
-                              if start else f"no checkpoint was committed yet; delete {args.out} to start over")
-    if start >= args.steps:
-        print0(f"checkpoint at step {start} >= --steps {args.steps}: nothing left to train")
-        if own_group:
-            dist.destroy_process_group()
-        return
-    fwd = torch.compile(model) if args.compile else model
-    # the resumed run's metrics.jsonl carries the whole curve, not just its own steps
-    metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), ctx.world * args.batch_size * args.seq_len * args.grad_accum,
-                           resume_step=start)
-    profiler = gpt2.Profiler(args, ctx)
-    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {ctx.world} ranks x "
-           f"{zero.shard:,} flat params each | device {ctx.device} {ctx.dtype}")
-
-    def loss_fn(x, y):
-        with ctx.autocast():
-            return fwd(x, y)[1]
-
-    for step in range(start, args.steps):
-        if step == args.fail_at and ctx.rank == ctx.world - 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-            print(f"[rank {ctx.rank}] --fail-at {step}: exiting abruptly", flush=True)
+    def fail_at(self, step):
+        if step == self.args.fail_at and self.ctx.rank == self.ctx.world - 1 and \
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            print(f"[rank {self.ctx.rank}] --fail-at {step}: exiting abruptly", flush=True)
             os._exit(1)
-        profiler.step(step)
-        metrics.start_step()
-        lr = gpt2.set_lr(opt, step, args)
-        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
-        zero.reduce_scatter_grads()
-        if args.grad_clip > 0:
-            zero.clip_global_grad_norm(args.grad_clip)
-        opt.step()
-        zero.all_gather_params()
-        zero.zero_grad()
-        save_failed = float(bool(ckpt and ckpt.failed()))  # a background save that failed fails this step
-        if ctx.world > 1:  # on every rank at once: it rides on the loss's all-reduce
-            both = torch.stack([loss_sum, torch.tensor(save_failed, device=ctx.device)])
-            dist.all_reduce(both)
-            comm.all_reduce(8, ctx.world)
-            loss_sum, save_failed = both[0] / ctx.world, float(both[1])
-        if save_failed:
-            ckpt.raise_failure()
-        loss_val = loss_sum.item()
-        gpt2.check_finite(loss_val, step)
-        t0 = time.perf_counter()
-        if ckpt and args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-            ckpt.save(step + 1, opt, train_loader)  # the state *after* step: resume runs step + 1 next
-        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb(), ckpt_block_ms=1e3 * (time.perf_counter() - t0))
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            model.eval()
-            metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
-            model.train()
-    if ckpt:
-        t0 = time.perf_counter()
-        ckpt.wait()
-        print0(f"last checkpoint committed ({1e3 * (time.perf_counter() - t0):.0f} ms waited at the end)")
-    metrics.plot()
-    if own_group:
-        dist.destroy_process_group()
+
+    def raise_failure(self):
+        """The one-line error of a failed save, on every rank. The writer's handshake already told every
+        rank that some rank failed; the rank whose own write or commit failed prints why."""
+        super().wait()
+        step, why, local = self.error or ("?", "a peer's save failed", False)
+        last = f"step {self.committed} is the last committed checkpoint" if self.committed else "nothing was committed"
+        gpt2.fail(f"checkpoint save of step {step} failed on rank {self.ctx.rank}: {why}" if local else
+                  f"checkpoint save of step {step} failed: {why}", "--ckpt-dir",
+                  f"{last}; fix {self.args.ckpt_dir} (space, permissions) and relaunch to resume", local=local)
+
+    def wait(self):
+        super().wait()
+        if self.error is not None:
+            self.raise_failure()
+
+    def save(self, step, opt, loader):
+        """Every rank, before its snapshot (a collective): a diverged update is never committed, so the
+        newest committed checkpoint, which pruning always keeps, is a finite one."""
+        self.wait()  # the previous save commits first (or fails in one line)
+        z = self.zero
+        moments = [opt.state[p][k] for p in z.params for k in ("exp_avg", "exp_avg_sq")]
+        last = f"step {self.committed}, the newest committed checkpoint, is finite and kept" if self.committed \
+            else "nothing was committed"
+        gpt2.check_finite_weights([z.flat[z.lo: z.hi], *moments], step - 1, self.ctx.device, todo=f"{last}; lower "
+                                  "--lr (with another --ckpt-dir), keep --grad-clip on, or raise --warmup")
+        super().save(step, opt, loader)
+        if self.ctx.world > 1:  # the writer's handshake: every rank's (bytes, crc32), rank 0's verdict on the commit
+            self.comm.all_gather(16 * self.ctx.world, self.ctx.world)
+            self.comm.broadcast(8, self.ctx.world)
+
+    def write_and_commit(self, step, tensors, meta, event):
+        """The core's writer with a handshake: a failed write reports 0 bytes, so every rank learns that the
+        save failed in the same all-gather, and rank 0 broadcasts whether its commit succeeded."""
+        d, mine = step_dir(self.args.ckpt_dir, step), None
+        try:
+            if os.path.exists(os.path.join(d, "manifest.json")):  # never overwrite a committed checkpoint
+                raise FileExistsError(f"{d} already holds a committed checkpoint; not overwritten")
+            report = self.write(d, tensors, meta, event)
+        except BaseException as e:  # still join the handshake below, so no peer waits for us forever
+            report, mine = torch.zeros(2, dtype=torch.int64), f"{e.__class__.__name__}: {e}"
+        try:
+            reports = self.gather_reports(report)
+            failed = [r for r in range(self.ctx.world) if not reports[r, 0]]
+            if failed:  # every rank learns it here, so every rank stops at the same step
+                self.error = (step, mine, True) if mine else (step, f"rank(s) {failed} could not write their shard", False)
+                return
+            verdict = torch.ones(1, dtype=torch.int64)
+            if self.ctx.master:
+                try:
+                    self.commit(step, d, reports, meta["loader"])
+                except BaseException as e:
+                    verdict[0], mine = 0, f"{e.__class__.__name__}: {e}"
+            if self.group is not None:
+                dist.broadcast(verdict, 0, group=self.group)
+            if not verdict[0]:
+                self.error = (step, mine, True) if self.ctx.master else (step, "rank 0 could not commit the manifest", False)
+                return
+            self.committed = step
+            gpt2.RUN["resume"] = self.hint  # what a Ctrl-C prints
+        except BaseException as e:  # the handshake itself failed (a peer died)
+            self.error = (step, f"{e.__class__.__name__}: {e}", True)
+
+    def commit(self, step, d, reports, loader_state):
+        super().commit(step, d, reports, loader_state)
+        self.prune(step)
+
+    def prune(self, newest):
+        """Keep the last --keep committed checkpoints (the newest among them, which is finite: see save);
+        drop older ones and older uncommitted leftovers. Newer directories and the ones set aside as corrupt
+        are never touched."""
+        kept = 0
+        for s in list_checkpoints(self.args.ckpt_dir):
+            committed = os.path.exists(os.path.join(step_dir(self.args.ckpt_dir, s), "manifest.json"))
+            if s <= newest and committed and kept < self.args.keep:
+                kept += 1
+            elif s < newest:
+                shutil.rmtree(step_dir(self.args.ckpt_dir, s), ignore_errors=True)
+
+    def read_shard(self, path, sh, step):
+        """Read a whole shard with retries, verify size, checksum and metadata against the manifest."""
+        data = read_with_retries(path)
+        if len(data) != sh["bytes"] or zlib.crc32(data) != sh["crc32"]:
+            raise CorruptCheckpoint(f"{path}: size {len(data)} / crc32 {zlib.crc32(data):08x} differ from the "
+                                    f"manifest's {sh['bytes']} / {sh['crc32']:08x}")
+        tensors, meta = parse_shard(data)
+        if meta["lo"] != sh["lo"] or meta["step"] != step:
+            raise CorruptCheckpoint(f"{path}: its metadata disagrees with the manifest")
+        return tensors, meta
+
+    def load_latest(self, opt, loader):
+        self.committed = start = self.load_verified(opt, loader)
+        gpt2.RUN["resume"] = self.hint if start else f"no checkpoint was committed yet; delete {self.args.out} to start over"
+        self.fail_at(start)
+        return start
+
+    def load_verified(self, opt, loader):
+        """Try the checkpoints newest first; every rank must verify its part of one. A reader never deletes:
+        uncommitted directories are skipped and left, corrupt ones renamed aside, and an I/O error or a
+        checkpoint of another schedule or shape stops the run with every checkpoint in place. Returns the
+        step, or 0 when none exists (or none verifies and --allow-fresh-start is given)."""
+        args, ctx = self.args, self.ctx
+        steps, n_aside = list_checkpoints(args.ckpt_dir), len(list_set_aside(args.ckpt_dir))
+        if ctx.world > 1:  # everyone walks rank 0's list, so no rank can disagree on the candidates
+            n = torch.tensor([len(steps), n_aside], dtype=torch.int64, device=ctx.device)  # NCCL wants device tensors
+            dist.broadcast(n, 0)
+            n_aside = int(n[1])
+            t = torch.tensor(steps if ctx.master else [0] * int(n[0]), dtype=torch.int64, device=ctx.device)
+            if len(t):
+                dist.broadcast(t, 0)
+            steps = t.tolist()
+        corrupt = []
+        for step in steps:
+            d = step_dir(args.ckpt_dir, step)
+            verdict, why, diff = OK, "", []
+            try:
+                man = read_manifest(d, step)
+                diff = resume_mismatch(man, args, self.zero, ctx.world)
+                if diff:
+                    verdict = MISMATCH
+                else:
+                    slices, rng = self.read_slices(man, d)
+            except Uncommitted as e:
+                verdict, why = UNCOMMITTED, str(e)
+            except CorruptCheckpoint as e:
+                verdict, why = CORRUPT, str(e)
+            except Unreadable as e:
+                verdict, why = UNREADABLE, str(e)
+            worst, who = worst_verdict(verdict, ctx)
+            if worst == UNREADABLE:
+                todo = (f"nothing was moved or deleted; fix the filesystem and relaunch, or move {d} out of "
+                        f"{args.ckpt_dir} to resume from an older checkpoint")
+                if verdict == UNREADABLE:
+                    gpt2.fail(f"cannot read checkpoint step {step}: {why}", "--ckpt-dir", todo, local=True)
+                gpt2.fail(f"rank {who} cannot read checkpoint step {step}", "--ckpt-dir", todo)
+            if worst == MISMATCH and verdict != MISMATCH:  # a lagging filesystem: rank 0 may not see it yet
+                gpt2.fail(f"rank {who} found {d} written with other flags", "--ckpt-dir", "compare its manifest.json")
+            if worst == MISMATCH:  # the manifest is one file: every rank found the same differences
+                gpt2.fail(f"{d} was written with {' '.join(f'{f} {a}' for f, a, _ in diff)}, this run has "
+                          f"{' '.join(f'{f} {b}' for f, _, b in diff)}", " ".join(f for f, _, _ in diff),
+                          "resume with the checkpoint's values (a different world size with the same global batch is "
+                          "fine), or give another --ckpt-dir")
+            if worst == UNCOMMITTED:
+                print0(f"checkpoint step {step} was never committed (no manifest.json): skipped, left in place")
+                continue
+            if worst == CORRUPT:
+                if verdict == CORRUPT:
+                    print(f"[rank {ctx.rank}] checkpoint step {step} is corrupt: {why}", flush=True)
+                if ctx.master:  # after the all-reduce: no rank still reads it
+                    print0(f"checkpoint step {step} renamed aside to {set_aside(d)}; trying the previous one")
+                corrupt.append(step)
+                continue
+            self.resume(man, slices, rng, opt, loader)
+            self.comm.take_mb()  # the resume's all-gather is not a training step's traffic
+            if man["world"] != ctx.world:
+                print0(f"resharding: written by {man['world']} ranks, loaded by {ctx.world}")
+            print0(f"resumed from step {step}")
+            return step
+        if corrupt or n_aside:
+            what = f"{len(corrupt) + n_aside} checkpoint(s) in {args.ckpt_dir} are corrupt (renamed aside as *.corrupt)"
+            if not args.allow_fresh_start:
+                gpt2.fail(f"{what} and none verifies", "--ckpt-dir", "inspect them, or pass --allow-fresh-start to "
+                          "train from step 0 (they stay aside), or give another --ckpt-dir")
+            print0(f"{what}; starting from step 0 (--allow-fresh-start)")
+        return 0
 
 
-# ----------------------------------------------------------------------------------------------------
-# Appendix: the command line and its checks (all before the process group starts)
+# ---- Appendix ----
+# The command line and its checks (all before the process group starts), the step directories' names, the
+# ZeRO-1 world-size check, train()'s timing of its saves, and the entry point.
 
 
 def parse_args(argv):
@@ -711,9 +647,9 @@ def parse_args(argv):
         gpt2.fail("--save-every without a directory to save into", "--ckpt-dir", "add --ckpt-dir DIR")
     old = [n for n in ("metrics.jsonl", "model.pt") if os.path.exists(os.path.join(args.out, n))]
     if old and not committed_steps(args.ckpt_dir):  # gpt2.setup(resumes=True) leaves this check to us
-        gpt2.fail(f"{args.out} holds an earlier run ({', '.join(old)}) and " + (f"{args.ckpt_dir} no committed checkpoint"
-                  if args.ckpt_dir else "no --ckpt-dir was given") + " to resume it from", "--out", "choose a new --out, give the --ckpt-dir that run saved "
-                  "into, or delete that directory to start over")
+        why = f"{args.ckpt_dir} holds no committed checkpoint" if args.ckpt_dir else "no --ckpt-dir was given"
+        gpt2.fail(f"{args.out} holds an earlier run ({', '.join(old)}) and {why} to resume it from", "--out",
+                  "choose a new --out, give the --ckpt-dir that run saved into, or delete that directory to start over")
     if args.ckpt_dir:
         if int(os.environ.get("RANK", 0)) == 0:  # one run per directory: a second would resume our commits
             gpt2.lock_dir(args.ckpt_dir, "--ckpt-dir")  # and prune our in-flight saves
@@ -722,8 +658,39 @@ def parse_args(argv):
     return args
 
 
+def step_dir(ckpt_dir, step):
+    return os.path.join(ckpt_dir, f"step_{step:06d}")
+
+
+def list_checkpoints(ckpt_dir):  # steps with a step_* directory (committed or not), newest first
+    return sorted((int(d[5:]) for d in os.listdir(ckpt_dir) if d.startswith("step_") and d[5:].isdigit()),
+                  reverse=True) if os.path.isdir(ckpt_dir) else []
+
+
 def committed_steps(ckpt_dir):
     return [s for s in list_checkpoints(ckpt_dir or "") if os.path.exists(os.path.join(step_dir(ckpt_dir, s), "manifest.json"))]
+
+
+def check_world_size(world, shard, numel):  # Zero1's: same verdict on every rank, before any collective
+    if (world - 1) * shard >= numel:
+        gpt2.fail(f"{world} ranks for {numel} parameters: the last rank would hold nothing",
+                  "--nproc_per_node", "use fewer ranks or a larger model")
+
+
+def wait_for_the_last_save(ckpt):  # train()'s end: how long the final background write still took
+    t0 = time.perf_counter()
+    ckpt.wait()
+    print0(f"last checkpoint committed ({1e3 * (time.perf_counter() - t0):.0f} ms waited at the end)")
+
+
+def timed_ms(fn, *a):  # train(): how long the loop was blocked by a save (the snapshot, or the previous write)
+    t0 = time.perf_counter()
+    fn(*a)
+    return 1e3 * (time.perf_counter() - t0)
+
+
+def main(argv=None):
+    train(parse_args(argv), SafeCheckpointer)  # --ckpt-dir is locked by rank 0 in parse_args
 
 
 if __name__ == "__main__":

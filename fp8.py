@@ -1,101 +1,48 @@
 """
-fp8.py - fine-grained (tile-scaled) fp8 matmuls and fp8 training of GPT-2, checked against the baseline.
+fp8.py - fp8 training of GPT-2 with one scale per tile (DeepSeek-V3 section 3.3), checked against a baseline.
 
-The idea: fp8 e4m3 keeps 3 mantissa bits and a range of only 2^-9..448, so a tensor must be scaled into
-that range before the cast. With one scale per tensor, a single outlier some 10^4-10^5x the typical value
-(e4m3's normal range spans 2^15) pushes every other value into the few subnormals; DeepSeek-V3 (tech
-report section 3.3) instead gives every 1x128 tile of an activation and every 128x128 block of a weight its
-own scale (amax/448, computed online each step). A matmul then cannot use one scale for the whole product,
-so K is cut into 128-wide chunks: the tensor core multiplies a chunk in fp8, the partial sum is promoted to
-fp32, multiplied by that chunk's two scales and accumulated in fp32. The promotion also bounds the
-limited-precision accumulation of Hopper's fp8 tensor cores (~14 bits, section 3.3.2) to 128-term runs; it
-does not remove it. Only x's scales are powers of 2 (rounded up, as DeepGEMM's UE8M0 scales), so that the
-wgrad re-cut of x's tiles adds no rounding (section 3.3.3; measured: wgrad error vs fp64 4.43% -> 3.68%);
-W's and dy's are plain amax/448, as they are never re-cut (powers of 2 there too: GEMM error 3.72% -> 3.74%).
-The four Linear layers of every block run this way in forward (x @ W^T), dgrad (dy @ W) and wgrad
-(dy^T @ x); the master weights, the optimizer, embeddings, LayerNorm, attention and the head stay in high
-precision, and dW leaves the fp32 accumulator unrounded. `--fp8 off` is the identical run without it: an
-fp8 loss curve means something only next to that baseline.
+fp8 e4m3 keeps 3 mantissa bits and magnitudes 2^-9..448, so a tensor is scaled into that range before the
+cast. With one scale per tensor a single outlier pushes every other value into the few subnormals
+(`python fp8.py demo`). DeepSeek-V3 gives every 1x128 tile of an activation or gradient and every 128x128
+block of a weight its own scale, amax/448 from this step's values. A GEMM then cuts K into 128-wide chunks:
+the tensor core multiplies a chunk in fp8, the partial sum is promoted to fp32, multiplied by the chunk's two
+scales and accumulated in fp32 (which also bounds the tensor core's ~14-bit accumulation to 128 terms). The
+four Linears of every block run so in forward, dgrad and wgrad; the master weights, the optimizer,
+embeddings, LayerNorm, attention and the head stay in high precision. Only x's scales are powers of 2: wgrad
+re-cuts x's tiles along the tokens, and a power-of-2 scale makes that re-cut lossless (section 3.3.3).
+`--fp8 off` is the identical run without fp8: an fp8 loss curve means something only next to it.
 
-What fp8 buys: (1) tensor-core FLOPs: an H100 SXM's dense fp8 peak is 1979 TFLOP/s against 989 for bf16,
-2x on the GEMMs (tests/bench_fp8.py measures what the 128-chunk promotion and the quantization leave of
-it); (2) the blocks' Linear inputs are saved for backward in 1 byte (+ 4 bytes of scale per 128) instead
-of 2. Scaling is current ("online"): each tile's scale comes from its own amax in this very step (section
-3.3.2). The alternative, delayed scaling (Transformer Engine's per-tensor recipe), takes the scale from an
-amax history of earlier steps, saving a pass over the tensor before the cast but clipping an outlier that
-appears suddenly; a 1x128 tile's amax is local and cheap, so tiles need no history.
+    forward  y  = x @ W^T    x: 1x128 tiles along K         W: 128x128 blocks of the fp32 master
+    dgrad    dx = dy @ W     dy: 1x128 tiles along N        W^T: the same blocks, transposed
+    wgrad    dW = dy^T @ x   dy^T, x^T: 1x128 tiles along the tokens (x re-cut from its saved fp8 copy)
+      x (M,K) -amax per 1x128-> x_fp8, sx (M,K/128)    W (N,K) -amax per 128x128-> W_fp8, sW (N/128,K/128)
+      for k in K/128 chunks:   acc(fp32) += (x_fp8[:,k] @ W_fp8[:,k]^T) * sx[:,k] * sW[:,k]
+                                             \\_ tensor core, fp8 _/      \\_ promotion to fp32 _/
+      data parallel: every rank holds the whole model, all-reduces its fp32 grads in one flat bucket
 
---format mxfp8 | nvfp4 runs the same three GEMMs in the block-scaled formats of Blackwell's tensor cores
-(MXFP8: e4m3 in 1x32 blocks with UE8M0 scales rounded up, cuBLAS's and torchao's rule, where OCP MX v1.0
-floors the exponent: they differ on 17% of randn blocks, each of which the floor would saturate; NVFP4: e2m1 in 16-blocks with e4m3 block scales and an
-fp32 tensor scale), emulated from primitives on every device. GEMM error vs fp64 (randn, 1024x768x768):
-bf16 0.23%, deepseek 3.72%, mxfp8 3.74%, nvfp4 14.62% (18.83% beside a x100 outlier channel). NVFP4's
-recipe (--nvfp4-recipe, default all): a 16x16 random Hadamard transform on wgrad's inputs, stochastic
-rounding of the gradients, the last ~15% of blocks in high precision (NVIDIA, arXiv 2509.25149). Measured
-per GEMM they cost accuracy: Hadamard 8.67% -> 13.50% on heavy-tailed wgrad inputs (it evens a block out,
-so its largest values lose the precision they had), stochastic rounding raises dgrad's error 14.6% -> 17.7%
-(unbiased but where a block's largest values exceed 6 after its e4m3 scale rounds down and are clamped:
-3.5% of randn elements, biased toward zero by 0.13 of a block scale on average); they pay off over long runs, which no CPU test here reaches. A 4x64 model, 60 steps
-(tests/bench_fp8.py --formats): every format and variant ends 1.2-1.4% BELOW --fp8 off, all within 0.2%
-of each other: the gap is the timing of a loss drop near step 40 that every quantized run reaches first,
-so this run cannot rank the formats.
+Closed forms (P parameters, n ranks, C the width; a block's four Linears take inputs of C, C, C, 4C):
+    all-reduce per step           2 (n-1)/n x (4 B x P + 4 B loss), the same with --fp8 off
+    params + grads + AdamW        16 B x P per rank (fp32 master weights, as --fp8 off)
+    saved Linear inputs per token 7C x (1 B + 4 B / 128) per block, against 7C x 2 B in bf16
 
-GPT-2 124M at 8 ranks (B=16, T=1024, bf16 autocast; python tests/bench_fp8.py --per-rank-124m):
-    all-reduce per step    871.3 MB = 2 x 7/8 x 4 B x 124.5M params (+4 B loss); fp8 does not change it
-    params/grads/AdamW     498 + 498 + 996 MB = 16 B x 124.5M (fp32 master weights, as --fp8 off)
-    saved activations      --fp8 off 8821 MB | --fp8 on 8099 MB | mxfp8 8099 MB | nvfp4 7807 MB, measured:
-                           3372 MB outside the blocks (embeddings, head, logits: never fp8) + 12 blocks x
-                           454 MB (off) or 394 MB (on). Per token and block, 1-byte copies of the inputs of
-                           c_attn, c_fc and mlp.c_proj save 768+768+3072 B; attn.c_proj's input is SDPA's
-                           output, which SDPA saves anyway, so its copy adds 768 B; scales add 168 B:
-                           3672 B x 16384 tokens = 60 MB per block, 722 MB in all (-8%).
-
-    forward  y  = x @ W^T      x: 1x128 tiles along K        W: 128x128 blocks
-    dgrad    dx = dy @ W       dy: 1x128 tiles along N       W^T: the same blocks, transposed (no requant)
-    wgrad    dW = dy^T @ x     dy^T, x^T: 1x128 tiles along the TOKEN dim (re-cut: the contraction moved)
-
-        x (M,K) fp32/bf16          W (N,K) fp32 master
-          |  amax per 1x128          |  amax per 128x128
-          v                          v
-        x_fp8 + sx (M,K/128)       W_fp8 + sW (N/128,K/128)     <- saved for backward (1 byte/element)
-                 \\                 /
-         for k in K/128 chunks:  acc(fp32) += (x_fp8[:,k] @ W_fp8[:,k]^T) * sx[:,k] * sW[:,k]
-                                   \\___ tensor core, fp8 ___/   \\_ promotion to fp32 (CUDA cores) _/
-
-    data parallel: every rank holds the whole model; after the micro-steps each rank all-reduces (sums) its
-    fp32 gradients in one flat bucket and divides by the world size -> identical optimizer steps everywhere
-
-Launch:
-    torchrun --nproc_per_node=2 fp8.py --fp8 off --device cpu --steps 60 --seq-len 64 --out out/fp8
-    torchrun --nproc_per_node=2 fp8.py --fp8 on  --device cpu --steps 60 --seq-len 64 --out out/fp8
-        -> the second run draws out/fp8/fp8_vs_baseline.png and prints the final-loss gap
-    torchrun --nproc_per_node=8 fp8.py --fp8 on --model gpt2 --data data/fineweb10B --batch-size 16 --seq-len 1024 --grad-accum 4
-    torchrun --nproc_per_node=2 fp8.py --format nvfp4 --device cpu --steps 60 --seq-len 64 --out out/fp8
-        -> out/fp8/nvfp4_vs_baseline.png (metrics_fp8_<off|on|mxfp8|nvfp4>.jsonl: one curve per format)
-    python tests/bench_fp8.py          # fp8 vs bf16 GEMM TFLOP/s on a GPU; emulation accuracy on CPU
-    python tests/bench_fp8.py --formats   # per format: GEMM error, loss gap, out/bench_fp8/fp8_formats.png
-
-On CPU the fp8 GEMM is an emulation: the same fp8 values and scales, each chunk summed in full fp32. It is
-an upper bound on the hardware's accuracy (whose ~14-bit in-chunk accumulation it does not model), not a
-bit-exact copy. On CUDA (sm_89+) it is torch._scaled_mm with 1x128 / 128x128 block scales where torch and
-cuBLAS (>= 12.9, sm_90) support them, else one row-wise-scaled _scaled_mm per 128-wide K chunk whose bf16
-partial sums are added in fp32 (1.66e-3 from the emulation, measured: the bf16 rounding of each partial).
-
-References: DeepSeek-V3 technical report (arXiv 2412.19437) sections 3.3 (fine-grained quantization,
-increasing accumulation precision, online quantization) and 3.5.2 (the transposed re-quantization for
-wgrad); Micikevicius et al. 2022, "FP8 formats for deep learning" (e4m3/e5m2); DeepSeek's DeepGEMM;
-PyTorch's torch._scaled_mm (aten/src/ATen/native/cuda/Blas.cpp) and torchao's float8 training; OCP
-Microscaling Formats (MX) v1.0; NVIDIA, "Pretraining Large Language Models with NVFP4" (arXiv 2509.25149).
-Differences: the CPU path is an emulation (above); MXFP8 scales are rounded up (the OCP spec's floor may
-saturate the block's largest value); NVFP4's Hadamard uses one fixed sign pattern, not a fresh one per step.
-
-gpt2.py pieces used: make_parser, check_args, fail, run_main, setup, build_model, make_loaders,
-model_config, optimizer_groups, make_adamw, set_lr, accumulate_grads, evaluate, check_finite, print0, CommMeter,
-Metrics, Profiler.
+Launch (CPU emulation; on GPUs drop --device cpu):
+    python fp8.py demo
+    torchrun --nproc_per_node=2 fp8.py --fp8 off --device cpu --steps 60 --seq-len 64 --out out/fp8_off
+    torchrun --nproc_per_node=2 fp8.py --fp8 on --device cpu --steps 60 --seq-len 64 --out out/fp8_on --compare-with out/fp8_off
+On CPU the GEMM is an emulation (the same fp8 values and scales, chunks summed in full fp32: an upper bound on
+the hardware's accuracy); on CUDA (sm_89+) it is torch._scaled_mm with block scales (see the Appendix).
+References: DeepSeek-V3 technical report (arXiv 2412.19437) sections 3.3 and 3.5.2; Micikevicius et al.
+2022, "FP8 formats for deep learning"; DeepSeek's DeepGEMM; PyTorch's torch._scaled_mm. Beyond the core:
+OCP Microscaling Formats v1.0 (MXFP8); NVIDIA, "Pretraining LLMs with NVFP4" (arXiv 2509.25149) section 4.
+gpt2.py pieces used: make_parser, check_args, check_range, fail, agree, run_main, setup, build_model,
+make_loaders, model_config, optimizer_groups, make_adamw, set_lr, accumulate_grads, evaluate,
+check_finite, print0, CommMeter, Metrics, Profiler.
 """
+import functools
 import json
 import math
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -105,24 +52,17 @@ import torch.nn.functional as F
 import gpt2
 from gpt2 import print0
 
-# ----------------------------------------------------------------------------------------------------
-# fp8 e4m3 and tile-wise quantization
-
 FP8 = torch.float8_e4m3fn  # 1 sign, 4 exponent, 3 mantissa bits; no inf; largest finite 448
 FP8_MAX = torch.finfo(FP8).max  # 448.0
 TILE = 128  # DeepSeek-V3's tile: 1x128 for activations/gradients, 128x128 for weights
-# The smallest amax a tile is scaled from: amax/448 is then at least fp32's smallest normal number, so the
-# scale and every x/scale stay normal fp32 numbers. A tile whose amax is below it (an all-zero tile, or
-# values under 5.3e-36) gets this floor as its amax; its values still quantize (as e4m3 subnormals) down to
-# 2^-9 x the floor's scale = 2^-135, below which they flush to zero (tested).
+# The smallest amax a tile is scaled from (scale >= fp32's smallest normal). A tile under it (all zeros, or
+# values below 5.3e-36) takes this floor; its values survive as e4m3 subnormals down to 2^-135 (tested).
 AMAX_FLOOR = torch.finfo(torch.float32).tiny * FP8_MAX
 
 
 def _pow2_up(scale):
-    """Round a positive fp32 scale up to a power of 2 (UE8M0: an 8-bit exponent and no mantissa, the scale
-    format of MXFP8 and of DeepGEMM's recipe): add 'all mantissa bits set' to the bit pattern and clear the
-    mantissa, so 2^k stays 2^k and anything above it becomes 2^(k+1). Dividing by a power of 2 only shifts
-    the exponent, so x / scale and back are exact (DeepSeek-V3 section 3.3.3)."""
+    """Round a positive fp32 scale up to a power of 2 (UE8M0: exponent only): add 'all mantissa bits set' to
+    the bit pattern and clear the mantissa. Dividing by a power of 2 only shifts exponents (section 3.3.3)."""
     bits = scale.contiguous().view(torch.int32)
     return ((bits + 0x007FFFFF) & 0x7F800000).view(torch.float32)
 
@@ -133,8 +73,7 @@ def _scale_from_amax(amax, pow2):
 
 
 def _to_fp8(x, scale):
-    """x / scale is at most 448 in exact arithmetic but may round to 448.0001; casts of out-of-range values
-    saturate on some torch builds and give NaN on others (e4m3fn has no inf), so clamp first."""
+    """x / scale may round to 448.0001, and out-of-range casts give NaN on some builds: clamp first."""
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
@@ -147,9 +86,8 @@ def _pad_to_tile(x, dims):
 
 
 def quantize_1x128(x, pow2=False):
-    """x (M, K) -> x_fp8 (M, Kp) e4m3 and scales (M, Kp/128) fp32, Kp = K rounded up to 128 (zero padded).
-    One scale per row per 128 columns: an outlier spoils only its own tile (section 3.3). pow2: scales
-    rounded up to powers of 2, so that re-cutting the tiles later (wgrad) adds no rounding."""
+    """x (M, K) -> x_fp8 (M, Kp) e4m3 and scales (M, Kp/128) fp32, Kp = K padded to 128. One scale per row
+    per 128 columns: an outlier spoils only its own tile. pow2: scales rounded up to powers of 2."""
     M, _ = x.shape
     tiles = _pad_to_tile(x.float(), dims=[1]).view(M, -1, TILE)
     scales = _scale_from_amax(tiles.abs().amax(dim=-1, keepdim=True), pow2)
@@ -157,8 +95,8 @@ def quantize_1x128(x, pow2=False):
 
 
 def quantize_128x128(w, pow2=False):
-    """w (N, K) -> w_fp8 (Np, Kp) e4m3 and scales (Np/128, Kp/128) fp32, both dims zero padded to 128.
-    Square blocks make W and W^T share one quantization: the backward pass reuses it transposed."""
+    """w (N, K) -> w_fp8 (Np, Kp) e4m3 and scales (Np/128, Kp/128) fp32, both dims padded to 128. Square
+    blocks make W and W^T share one quantization: the backward pass reuses it transposed."""
     blocks = _pad_to_tile(w.float(), dims=[0, 1])
     Np, Kp = blocks.shape
     blocks = blocks.view(Np // TILE, TILE, Kp // TILE, TILE)
@@ -167,8 +105,7 @@ def quantize_128x128(w, pow2=False):
 
 
 def quantize_tensorwise(x):
-    """The coarse baseline: one scale for the whole tensor (returned as 1x128 scales, all equal, so that
-    fp8_matmul takes it unchanged). Used by the tests and the benchmark to show what tiles buy."""
+    """The coarse baseline: one scale for the whole tensor (as 1x128 scales, all equal, for fp8_matmul)."""
     xp = _pad_to_tile(x.float(), dims=[1])
     scale = _scale_from_amax(xp.abs().amax(), pow2=False)
     return _to_fp8(xp, scale), scale.expand(xp.size(0), xp.size(1) // TILE).contiguous()
@@ -186,29 +123,10 @@ def dequantize_128x128(w_fp8, scales, shape=None):
     return w if shape is None else w[: shape[0], : shape[1]]
 
 
-# ----------------------------------------------------------------------------------------------------
-# The fp8 GEMM: K in 128-wide chunks, each partial product promoted to fp32 with its two scales
-
-
-def _row_scales(b_scales, N):
-    """b's scales as one (N, K/128) row per output column: 1x128 scales already are; 128x128 block
-    scales are repeated over the 128 rows of their block."""
-    if b_scales.size(0) == N:
-        return b_scales
-    return b_scales.repeat_interleave(TILE, dim=0)[:N]
-
-
 def fp8_matmul(a_fp8, a_scales, b_fp8, b_scales, out_dtype=torch.float32):
-    """a @ b^T for a (M, K) in 1x128 tiles and b (N, K) in 1x128 tiles (scales (N, K/128)) or 128x128
-    blocks (scales (ceil(N/128), K/128)); K must be padded to 128 (the quantize_* functions do it).
-    CPU: the emulation below; CUDA: cuBLAS's block-scaled _scaled_mm (_fp8_matmul_scaled_mm, in the Appendix)."""
-    (M, K), N = a_fp8.shape, b_fp8.size(0)
-    if a_fp8.dtype != FP8 or b_fp8.dtype != FP8 or b_fp8.size(1) != K or K % TILE:
-        raise ValueError(f"fp8_matmul wants e4m3 a (M,K), b (N,K) with K a multiple of {TILE}; "
-                         f"got {a_fp8.dtype} {tuple(a_fp8.shape)} and {b_fp8.dtype} {tuple(b_fp8.shape)}")
-    if a_scales.shape != (M, K // TILE) or b_scales.shape not in ((N, K // TILE), (math.ceil(N / TILE), K // TILE)):
-        raise ValueError(f"scales {tuple(a_scales.shape)} / {tuple(b_scales.shape)} do not fit a {tuple(a_fp8.shape)} "
-                         f"and b {tuple(b_fp8.shape)} in 1x128 / 128x128 tiles")
+    """a @ b^T for a (M, K) in 1x128 tiles and b (N, K) in 1x128 tiles (scales (N, K/128)) or 128x128 blocks
+    (scales (ceil(N/128), K/128)); K padded to 128. CUDA: cuBLAS's _scaled_mm (Appendix); else the emulation."""
+    check_fp8_operands(a_fp8, a_scales, b_fp8, b_scales)  # Appendix: shapes and dtypes, one clear error
     if a_fp8.is_cuda:
         return _fp8_matmul_scaled_mm(a_fp8, a_scales, b_fp8, b_scales, out_dtype)
     return _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales).to(out_dtype)
@@ -216,13 +134,12 @@ def fp8_matmul(a_fp8, a_scales, b_fp8, b_scales, out_dtype=torch.float32):
 
 @torch.compiler.disable  # an opaque GEMM call, like the CUDA path; inductor (torch 2.13, CPU) miscompiles it
 def _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales):
-    """The hardware's algorithm in fp32 on any device: e4m3 values are exact in fp32 and so are their
-    pairwise products (8 significant bits); each chunk's 128 products are summed in fp32, where the tensor
-    core keeps only ~14 bits, so this is an upper bound on the hardware's accuracy, not a bit-exact copy.
-    The scaling and the accumulation across chunks are the fp32 'promotion'."""
-    M, K = a_fp8.shape
-    b_rows = _row_scales(b_scales, b_fp8.size(0))
-    acc = torch.zeros(M, b_fp8.size(0), dtype=torch.float32, device=a_fp8.device)
+    """The hardware's algorithm in fp32: e4m3 values and their pairwise products are exact in fp32; each
+    chunk's 128 products are summed in fp32 (the tensor core keeps ~14 bits, so this is an upper bound on
+    its accuracy); then the chunk is scaled and accumulated in fp32: the promotion."""
+    (M, K), N = a_fp8.shape, b_fp8.size(0)
+    b_rows = b_scales if b_scales.size(0) == N else b_scales.repeat_interleave(TILE, dim=0)[:N]  # (N, K/128)
+    acc = torch.zeros(M, N, dtype=torch.float32, device=a_fp8.device)
     for k in range(K // TILE):
         cols = slice(k * TILE, (k + 1) * TILE)
         partial = a_fp8[:, cols].float() @ b_fp8[:, cols].float().t()  # the unscaled fp8 chunk product
@@ -230,15 +147,9 @@ def _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales):
     return acc
 
 
-# ----------------------------------------------------------------------------------------------------
-# Fp8Linear: forward, dgrad and wgrad all in fp8 tiles; fp32 master weights
-
-
 class Fp8LinearFn(torch.autograd.Function):
-    """y = x @ W^T with x in 1x128 tiles and W in 128x128 blocks. Saves the fp8 x and W (1 byte per
-    element instead of 2 or 4). The bias is added outside, by autograd, in high precision.
-    pow2: x's scales are powers of 2 (rounded up), in forward and where wgrad re-cuts x's tiles along the
-    tokens, so the re-quantization of the saved fp8 x loses (almost) nothing (DeepSeek-V3 section 3.3.3)."""
+    """y = x @ W^T with x in 1x128 tiles and W in 128x128 blocks; saves the fp8 x and W (1 byte per element).
+    pow2: x's scales are powers of 2, so wgrad's re-cut of the saved x loses (almost) nothing."""
 
     @staticmethod
     def forward(ctx, x, weight, pow2=True):
@@ -251,8 +162,7 @@ class Fp8LinearFn(torch.autograd.Function):
             w_fp8, w_scales = quantize_128x128(weight)
             y = fp8_matmul(x_fp8, x_scales, w_fp8, w_scales, out_dtype)[:, :N]  # (B*T, N)
         ctx.save_for_backward(x_fp8, x_scales, w_fp8, w_scales)
-        ctx.shapes, ctx.dtypes = (x.shape, x2.shape, weight.shape), (x.dtype, weight.dtype)
-        ctx.pow2 = pow2
+        ctx.shapes, ctx.dtypes, ctx.pow2 = (x.shape, x2.shape, weight.shape), (x.dtype, weight.dtype), pow2
         return y.reshape(*x.shape[:-1], N)
 
     @staticmethod
@@ -264,36 +174,24 @@ class Fp8LinearFn(torch.autograd.Function):
             # dgrad contracts over N: dy in 1x128 tiles along N, W^T = the forward's blocks transposed
             dy_fp8, dy_scales = quantize_1x128(dy2)
             dx = fp8_matmul(dy_fp8, dy_scales, w_fp8.t(), w_scales.t(), dy.dtype)[:, :K]  # (B*T, K)
-            # wgrad contracts over the tokens: both operands are re-cut into 1x128 tiles along the token
-            # dim; x comes back from its saved fp8 copy (dequantize, transpose, requantize: section 3.5.2).
-            # With power-of-2 scales both steps only shift exponents: a value changes only if the new tile's
-            # larger scale pushes it into e4m3's subnormals (measured: 0.0002% of values, against 99.2%
-            # changed with plain amax/448 scales; test_pow2_scales_make_the_wgrad_recut_lossless)
+            # wgrad contracts over the tokens: both operands re-cut into 1x128 tiles along the tokens; x from
+            # its saved fp8 copy (section 3.5.2). Power-of-2 scales make both steps exponent shifts: 0.0002% of
+            # values change (99.2% with amax/448; test_pow2_scales_make_the_wgrad_recut_lossless)
             x_hp = dequantize_1x128(x_fp8, x_scales, x2_shape)  # (B*T, K) fp32
-            xt_fp8, xt_scales = quantize_1x128(x_hp.t(), ctx.pow2)  # (K, B*T) in 1x128 tiles along tokens
+            xt_fp8, xt_scales = quantize_1x128(x_hp.t(), ctx.pow2)  # (K, B*T)
             dyt_fp8, dyt_scales = quantize_1x128(dy2.t())  # (N, B*T)
-            # fp32 out: the accumulator is fp32 anyway and the master weights are fp32, so rounding dW to
-            # bf16 (what an autocast nn.Linear does) would throw away bits for nothing
+            # dW leaves the fp32 accumulator unrounded: the master weights are fp32
             dw = fp8_matmul(dyt_fp8, dyt_scales, xt_fp8, xt_scales, torch.float32)  # (N, K)
         x_dtype, w_dtype = ctx.dtypes
         return dx.reshape(x_shape).to(x_dtype), dw.to(w_dtype), None
 
 
-@torch.compiler.disable  # CPU under --compile: one opaque call per layer instead of the quantizers as ~4 graphs
-def _fp8_linear_eager(x, weight, pow2):
-    return Fp8LinearFn.apply(x, weight, pow2)
-
-
 class Fp8Linear(nn.Linear):
-    """A drop-in nn.Linear (same parameters, same state_dict) whose matmuls run in fp8 tiles."""
-    pow2 = True  # power-of-2 scales for x (forward and the wgrad re-cut); False: plain amax/448 scales
-    fmt, recipe = "deepseek", ()  # or "mxfp8" / "nvfp4" (with recipe items of NVFP4_RECIPE): see below
+    """A drop-in nn.Linear (same parameters, same state_dict) whose three matmuls run in fp8 tiles."""
+    pow2 = True  # power-of-2 scales for x; False: plain amax/448 (the tests measure what pow2 buys)
 
     def forward(self, x):
-        if self.fmt == "deepseek":
-            y = (Fp8LinearFn.apply if x.is_cuda else _fp8_linear_eager)(x, self.weight, self.pow2)
-        else:
-            y = BlockScaledLinearFn.apply(x, self.weight, self.fmt, self.recipe)
+        y = (Fp8LinearFn.apply if x.is_cuda else _fp8_linear_eager)(x, self.weight, self.pow2)
         # the bias outside the Function, in the output's dtype: autograd sums its gradient in high precision
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
@@ -304,26 +202,136 @@ class Fp8Linear(nn.Linear):
         return new
 
 
-# ----------------------------------------------------------------------------------------------------
-# The formats after DeepSeek's tiles: MXFP8 and NVFP4, the block-scaled formats of Blackwell's tensor cores
+def convert_to_fp8(model: gpt2.GPT, blocks=None, to_fp8=Fp8Linear.from_linear):
+    """Swap the four Linears of every block (or of `blocks`) for to_fp8(linear); embeddings, LayerNorms,
+    attention's softmax and the tied head stay in high precision (DeepSeek-V3 section 3.3)."""
+    for block in model.h if blocks is None else blocks:
+        for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
+            setattr(parent, name, to_fp8(getattr(parent, name)))
+    return model
+
+
+def all_reduce_grads(params, world, comm: gpt2.CommMeter):
+    """Sum every rank's gradients in one flat fp32 bucket, divide by the world size: each rank now holds the
+    gradient of the global batch mean."""
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    comm.all_reduce(flat.numel() * flat.element_size(), world)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def global_mean(t, world, comm: gpt2.CommMeter):
+    dist.all_reduce(t)
+    comm.all_reduce(t.numel() * t.element_size(), world)
+    return t / world
+
+
+def demo():
+    """python fp8.py demo: one outlier channel in x (tokens, channels); error of the other channels after e4m3
+    and back, one scale per tensor vs per 1x128 tile (the outlier's own tiles lose: 127 of 1023 channels)."""
+    torch.manual_seed(0)
+    rows = {}
+    print("outlier channel x  | fp8, one scale per tensor | fp8, 1x128 tiles | bf16 (no scale)")
+    for outlier in (1.0, 1e2, 1e4, 1e5):
+        x = torch.randn(1024, 1024)
+        x[:, 7] *= outlier
+        rest = torch.arange(1024) != 7
+        errs = [((back[:, rest] - x[:, rest]).norm() / x[:, rest].norm()).item() for back in (
+            dequantize_1x128(*quantize_tensorwise(x)), dequantize_1x128(*quantize_1x128(x)), x.bfloat16().float())]
+        rows[outlier] = errs
+        print(f"{outlier:18.0e} | {100 * errs[0]:24.2f}% | {100 * errs[1]:15.2f}% | {100 * errs[2]:14.2f}%")
+    return rows
+
+
+def train(argv=None):
+    args = make_parser().parse_args(argv)  # Appendix: gpt2.py's flags, --fp8, --compare-with, the extensions'
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    # every check before the first collective: a bad flag fails every rank, none hangs
+    to_fp8, baseline = check_args(args)  # Appendix: to_fp8(model) swaps the Linears (None: --fp8 off)
+    cfg = gpt2.model_config(args)
+    train_loader, val_loader = gpt2.make_loaders(args, rank, world, cfg.vocab_size)
+
+    ctx = gpt2.setup(args)
+    model = gpt2.build_model(args)
+    if to_fp8 is not None:
+        to_fp8(model)
+    model.to(ctx.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
+    fwd = torch.compile(model) if args.compile else model
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), tokens_per_step)
+    profiler, comm = gpt2.Profiler(args, ctx), gpt2.CommMeter()
+    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {world} rank(s) | "
+           f"device {ctx.device} {ctx.dtype} | fp8 {describe(args, ctx)}")  # describe: Appendix
+
+    def loss_fn(x, y):
+        with ctx.autocast():
+            return fwd(x, y)[1]
+
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = gpt2.set_lr(opt, step, args)
+        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
+        if world > 1:
+            all_reduce_grads(params, world, comm)
+            loss_sum = global_mean(loss_sum, world, comm)
+        if args.grad_clip > 0:  # the grads are now identical on every rank: the local norm is the global one
+            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_val = loss_sum.item()
+        gpt2.check_finite(loss_val, step)
+        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb())
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            model.eval()
+            metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
+            model.train()
+    metrics.plot()  # then the final-loss gap to the --compare-with run (the baseline) and its picture
+    return compare_with_baseline(args, metrics.records, baseline) if ctx.master else None
+
+
+# ---- Beyond the core ----
+# MXFP8 and NVFP4 (--format mxfp8|nvfp4): the block-scaled formats of Blackwell's tensor cores (OCP MX v1.0;
+# NVIDIA, arXiv 2509.25149), emulated on every device, as a subclass of Fp8Linear (BlockScaledLinear).
 #
 #   format    element          block along K   block scale                      tensor scale
 #   deepseek  e4m3 (448)       1x128 / 128x128 fp32 (x: power of 2)             -
 #   mxfp8     e4m3 (448)       1x32            UE8M0 (a power of 2, 1 byte)     -
 #   nvfp4     e2m1 (6, 4 bits) 1x16 (W: 16x16) e4m3 (1 byte)                    fp32
 #
-# The hardware multiplies blocks and applies both block scales inside the tensor core, accumulating in fp32,
-# so there is no per-chunk promotion to write: the emulation dequantizes both operands (exact in fp32: an
-# e2m1 x e4m3 product has at most 6 significant bits) and multiplies them in fp32. The tensor scale of
-# NVFP4 is applied in the dequantization (one fp32 rounding, 2^-24). Blocks run along the contraction dim of
-# each GEMM, so x, W and dy are quantized once per GEMM they enter, each from high precision (the column
-# copies of x and, for nvfp4, the 16x16 weight blocks are made in forward, as Transformer Engine does).
+# MXFP8's UE8M0 scale is rounded up (cuBLAS's and torchao's rule); OCP MX v1.0 floors the exponent instead:
+# the two differ on 17% of randn blocks, in each of which the floor saturates the block's largest value
+# (test_mxfp8_scale_rounds_up_where_ocp_floors). The hardware applies both block scales inside the tensor
+# core and accumulates in fp32, so there is no per-chunk promotion to write: the emulation dequantizes both
+# operands (exact in fp32) and multiplies them in fp32; NVFP4's tensor scale is applied in the dequantization.
+# Blocks run along each GEMM's contraction dim, so x, W and dy are quantized once per GEMM they enter, each
+# from high precision (x's column copy and nvfp4's 16x16 weight blocks are made in forward, as Transformer
+# Engine does). GEMM error vs fp64 (randn, 1024x768x768): bf16 0.23%, deepseek 3.72%, mxfp8 3.74%, nvfp4
+# 14.62% (18.83% beside a x100 outlier channel; tests/bench_fp8.py --formats). NVFP4's recipe (--nvfp4-recipe,
+# default all): a 16x16 random Hadamard transform on wgrad's inputs, stochastic rounding of the gradients,
+# the last ~15% of blocks in high precision. Per GEMM they cost accuracy: Hadamard 8.67% -> 13.50% on
+# heavy-tailed wgrad inputs (it evens a block out, so its largest values lose the precision they had);
+# stochastic rounding raises dgrad's error 14.6% -> 17.7% (noisier, unbiased below saturation); they pay
+# off over long runs, which no CPU test reaches. Differences from the paper: one fixed sign pattern for the
+# Hadamard transform, not a fresh one per step. A 4x64 model, 60 steps: every format and variant ends
+# 1.2-1.4% below --fp8 off, within 0.2% of each other (the timing of a loss drop near step 40), so this run
+# cannot rank the formats.
 
 FORMATS = ("deepseek", "mxfp8", "nvfp4")
 MX_BLOCK = {"mxfp8": 32, "nvfp4": 16}
 E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the 8 magnitudes; the 4-bit code is sign<<3 | index
 NVFP4_RECIPE = ("hadamard", "sr", "last")  # NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149 section 4)
+
+
+# Stochastic rounding (--nvfp4-recipe sr): the gradients' e2m1 rounding, random and unbiased below saturation (section 4.3)
 
 
 def round_e2m1(y, stochastic=False):
@@ -349,6 +357,9 @@ def unpack_e2m1(packed):
     grid = torch.tensor(E2M1_VALUES, device=packed.device)
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.size(0), -1).long()  # (R, C)
     return torch.where(codes >= 8, -grid[codes & 7], grid[codes & 7])
+
+
+# The Hadamard transform (--nvfp4-recipe hadamard): spreads an outlier over its 16-block (arXiv 2509.25149 section 4.2)
 
 
 def hadamard_16(device):
@@ -461,122 +472,37 @@ class BlockScaledLinearFn(torch.autograd.Function):
         return dx.reshape(x_shape).to(x_dtype), dw.to(w_dtype), None, None
 
 
-def convert_to_fp8(model: gpt2.GPT, fmt="deepseek", recipe=()):
-    """Swap the four Linear layers of every block for Fp8Linear; embeddings, LayerNorms, attention's
-    softmax and the (tied) head stay in high precision, as in DeepSeek-V3 section 3.3. nvfp4 with 'last'
-    also keeps the last ~15% of the blocks (at least one) in high precision, as the NVFP4 recipe does."""
+class BlockScaledLinear(Fp8Linear):
+    """Fp8Linear with its three GEMMs in MXFP8 or NVFP4 (fmt), with NVFP4's recipe items (recipe)."""
+    fmt, recipe = "mxfp8", ()
+
+    def forward(self, x):
+        y = BlockScaledLinearFn.apply(x, self.weight, self.fmt, self.recipe)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt="mxfp8", recipe=()) -> "BlockScaledLinear":
+        new = super().from_linear(linear)
+        new.fmt, new.recipe = fmt, tuple(recipe)
+        return new
+
+
+def convert_to_block_format(model: gpt2.GPT, fmt, recipe=()):
+    """convert_to_fp8 with BlockScaledLinear; nvfp4 with 'last' keeps the last ~15% of the blocks (at least
+    one) in high precision, as the NVFP4 recipe does."""
     keep = max(1, round(0.15 * len(model.h))) if fmt == "nvfp4" and "last" in recipe else 0
-    for block in list(model.h)[: len(model.h) - keep]:
-        for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
-            layer = Fp8Linear.from_linear(getattr(parent, name))
-            layer.fmt, layer.recipe = fmt, tuple(recipe)
-            setattr(parent, name, layer)
-    return model
+    to_fp8 = functools.partial(BlockScaledLinear.from_linear, fmt=fmt, recipe=recipe)
+    return convert_to_fp8(model, list(model.h)[: len(model.h) - keep], to_fp8)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Data parallel: a hand-written gradient all-reduce
+# ---- Appendix ----
+# The CUDA dispatch of the fp8 GEMM (cuBLAS block-scaled _scaled_mm, a row-wise fallback), argument checks and
+# the CLI, the comparison with the baseline and its picture.
 
 
-def all_reduce_grads(params, world, comm: gpt2.CommMeter):
-    """Sum every rank's gradients in one flat fp32 bucket (one collective instead of one per tensor),
-    divide by the world size: each rank now holds the gradient of the global batch mean."""
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    comm.all_reduce(flat.numel() * flat.element_size(), world)
-    flat /= world
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def global_mean(t, world, comm: gpt2.CommMeter):
-    dist.all_reduce(t)
-    comm.all_reduce(t.numel() * t.element_size(), world)
-    return t / world
-
-
-# ----------------------------------------------------------------------------------------------------
-# Training
-
-
-def train(argv=None):
-    p = gpt2.make_parser("GPT-2 with tile-scaled fp8 Linear layers (DeepSeek-V3 section 3.3), data parallel.")
-    p.add_argument("--fp8", default="on", choices=["on", "off"],
-                   help="on: the blocks' Linear layers in fp8 tiles; off: the identical bf16 (CUDA) / fp32 (CPU) baseline")
-    p.add_argument("--format", default="deepseek", choices=FORMATS,
-                   help="deepseek: e4m3 in 1x128/128x128 tiles; mxfp8: e4m3 in 1x32 blocks, UE8M0 scales; "
-                        "nvfp4: e2m1 in 16-blocks, e4m3 block scales, fp32 tensor scale (all emulated off Hopper)")
-    p.add_argument("--nvfp4-recipe", default=None,
-                   help=f"comma-separated subset of {','.join(NVFP4_RECIPE)} or 'none' (default: all of them) "
-                        "for --format nvfp4: Hadamard on wgrad inputs, stochastic rounding of gradients, "
-                        "the last ~15%% of blocks in high precision")
-    args = p.parse_args(argv)
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    # validate everything before the first collective: a bad flag fails every rank, none hangs
-    gpt2.check_args(args)
-    recipe = check_format(args)
-    cfg = gpt2.model_config(args)
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if args.fp8 == "on" and args.format == "deepseek" and use_cuda:  # mxfp8/nvfp4 are emulated on any GPU
-        cap = torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", 0)))
-        if cap < (8, 9):
-            gpt2.fail(f"this GPU is sm_{cap[0]}{cap[1]}, fp8 tensor cores need sm_89 or newer", "--fp8",
-                      "use --fp8 off, or --device cpu to emulate")
-    train_loader, val_loader = gpt2.make_loaders(args, rank, world, cfg.vocab_size)
-
-    ctx = gpt2.setup(args, resumes=True)  # the comparison keeps each mode's curve in one OUT (metrics_fp8_<mode>.jsonl)
-    model = gpt2.build_model(args)
-    if args.fp8 == "on":
-        convert_to_fp8(model, args.format, recipe)
-    model.to(ctx.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
-    fwd = torch.compile(model) if args.compile else model
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
-    metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), tokens_per_step)
-    profiler, comm = gpt2.Profiler(args, ctx), gpt2.CommMeter()
-    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {world} rank(s) | "
-           f"device {ctx.device} {ctx.dtype} | fp8 {args.fp8}"
-           + (f" {args.format}" + (f" ({','.join(recipe) or 'no recipe'})" if args.format == "nvfp4" else "")
-              if args.fp8 == "on" else "")
-           + (" (CPU emulation)" if args.fp8 == "on" and ctx.device.type == "cpu" else ""))
-
-    def loss_fn(x, y):
-        with ctx.autocast():
-            return fwd(x, y)[1]
-
-    for step in range(args.steps):
-        profiler.step(step)
-        metrics.start_step()
-        lr = gpt2.set_lr(opt, step, args)
-        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
-        if world > 1:
-            all_reduce_grads(params, world, comm)
-            loss_sum = global_mean(loss_sum, world, comm)
-        if args.grad_clip > 0:  # the grads are now identical on every rank: the local norm is the global one
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_val = loss_sum.item()
-        gpt2.check_finite(loss_val, step)
-        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb())
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            model.eval()
-            metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
-            model.train()
-    metrics.plot()
-    mode = "off" if args.fp8 == "off" else "on" if args.format == "deepseek" else args.format
-    return compare_with_baseline(args, metrics.records, mode) if ctx.master else None
-
-
-# ====================================================================================================
-# Appendix: the CUDA dispatch of the fp8 GEMM (cuBLAS block-scaled _scaled_mm, row-wise fallback),
-# argument checks, the fp8-vs-baseline comparison and its picture
-# ====================================================================================================
-# The CUDA dispatch of the fp8 GEMM
+@torch.compiler.disable  # CPU under --compile: one opaque call per layer instead of the quantizers as ~4 graphs
+def _fp8_linear_eager(x, weight, pow2):
+    return Fp8LinearFn.apply(x, weight, pow2)
 
 
 _blockwise_ok = {}  # (device type, out dtype, b's tiling) -> block-scaled _scaled_mm ran here and was right
@@ -640,7 +566,7 @@ def _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales):
     test_scaled_mm_path_matches_emulation)."""
     M, K = a_fp8.shape
     N = b_fp8.size(0)
-    b_rows = _row_scales(b_scales, N)
+    b_rows = b_scales if b_scales.size(0) == N else b_scales.repeat_interleave(TILE, dim=0)[:N]  # (N, K/128)
     acc = torch.zeros(M, N, dtype=torch.float32, device=a_fp8.device)
     for k in range(K // TILE):
         cols = slice(k * TILE, (k + 1) * TILE)
@@ -652,8 +578,58 @@ def _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales):
     return acc
 
 
-# ----------------------------------------------------------------------------------------------------
-# Argument checks
+def check_fp8_operands(a_fp8, a_scales, b_fp8, b_scales):
+    (M, K), N = a_fp8.shape, b_fp8.size(0)
+    if a_fp8.dtype != FP8 or b_fp8.dtype != FP8 or b_fp8.size(1) != K or K % TILE:
+        raise ValueError(f"fp8_matmul wants e4m3 a (M,K), b (N,K) with K a multiple of {TILE}; "
+                         f"got {a_fp8.dtype} {tuple(a_fp8.shape)} and {b_fp8.dtype} {tuple(b_fp8.shape)}")
+    if a_scales.shape != (M, K // TILE) or b_scales.shape not in ((N, K // TILE), (math.ceil(N / TILE), K // TILE)):
+        raise ValueError(f"scales {tuple(a_scales.shape)} / {tuple(b_scales.shape)} do not fit a {tuple(a_fp8.shape)} "
+                         f"and b {tuple(b_fp8.shape)} in 1x128 / 128x128 tiles")
+
+
+def make_parser():
+    p = gpt2.make_parser("GPT-2 with tile-scaled fp8 Linear layers (DeepSeek-V3 section 3.3), data parallel. "
+                         "`python fp8.py demo`: one scale per tensor vs per 1x128 tile.")
+    p.add_argument("--fp8", default="on", choices=["on", "off"],
+                   help="on: the blocks' Linear layers in fp8 tiles; off: the identical bf16 (CUDA) / fp32 (CPU) baseline")
+    p.add_argument("--compare-with", default=None, metavar="DIR",
+                   help="the --out of a finished run of the same length (e.g. --fp8 off): print the final-loss "
+                        "gap to it and draw OUT/<fp8|mxfp8|nvfp4|off>_vs_baseline.png")
+    p.add_argument("--format", default="deepseek", choices=FORMATS,
+                   help="deepseek: e4m3 in 1x128/128x128 tiles; mxfp8: e4m3 in 1x32 blocks, UE8M0 scales; "
+                        "nvfp4: e2m1 in 16-blocks, e4m3 block scales, fp32 tensor scale (all emulated off Hopper)")
+    p.add_argument("--nvfp4-recipe", default=None,
+                   help=f"comma-separated subset of {','.join(NVFP4_RECIPE)} or 'none' (default: all of them) "
+                        "for --format nvfp4: Hadamard on wgrad inputs, stochastic rounding of gradients, "
+                        "the last ~15%% of blocks in high precision")
+    return p
+
+
+def check_args(args):
+    """Every flag, before the first collective. Returns to_fp8 (the function that swaps a model's Linears;
+    None for --fp8 off) and the --compare-with run's records (None without it)."""
+    gpt2.check_args(args)
+    recipe = check_format(args)
+    baseline = read_baseline(args)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.fp8 == "on" and args.format == "deepseek" and use_cuda:  # mxfp8/nvfp4 are emulated on any GPU
+        cap = torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", 0)))
+        if cap < (8, 9):
+            gpt2.fail(f"this GPU is sm_{cap[0]}{cap[1]}, fp8 tensor cores need sm_89 or newer", "--fp8",
+                      "use --fp8 off, or --device cpu to emulate")
+    if args.fp8 == "off":
+        return None, baseline
+    if args.format == "deepseek":
+        return convert_to_fp8, baseline
+    return functools.partial(convert_to_block_format, fmt=args.format, recipe=recipe), baseline
+
+
+def describe(args, ctx):
+    if args.fp8 == "off":
+        return "off"
+    recipe = f" ({','.join(check_format(args)) or 'no recipe'})" if args.format == "nvfp4" else ""
+    return f"on {args.format}{recipe}" + (" (CPU emulation)" if ctx.device.type == "cpu" else "")
 
 
 def check_format(args):
@@ -672,61 +648,71 @@ def check_format(args):
     return items
 
 
-# ----------------------------------------------------------------------------------------------------
-# The fp8-vs-baseline comparison
-
-
-def compare_with_baseline(args, records, mode):
-    """Keep this run's curve as OUT/metrics_fp8_<mode>.jsonl (mode: off, on = deepseek tiles, mxfp8, nvfp4);
-    once the baseline (off) and an fp8 run exist in OUT, print the final-loss gap and draw
-    OUT/fp8_vs_baseline.png (deepseek) or OUT/<format>_vs_baseline.png."""
-    with open(os.path.join(args.out, f"metrics_fp8_{mode}.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    others = ["on", "mxfp8", "nvfp4"] if mode == "off" else ["off"]
-    gap = None
-    for other_mode in others:
-        other_path = os.path.join(args.out, f"metrics_fp8_{other_mode}.jsonl")
-        if os.path.exists(other_path):
-            with open(other_path) as f:
-                other = [json.loads(line) for line in f]
-            on_mode = mode if mode != "off" else other_mode
-            gap = _draw_gap(args, *((records, other) if mode != "off" else (other, records)), on_mode, other_path)
-    if gap is None and not any(os.path.exists(os.path.join(args.out, f"metrics_fp8_{m}.jsonl")) for m in others):
-        print0(f"run the same command with --fp8 {'on' if mode == 'off' else 'off'} --out {args.out} to compare")
-    return gap
-
-
-def _draw_gap(args, on_recs, off_recs, on_mode, other_path):
-    on, off = ([(r["step"], r["loss"]) for r in recs if "loss" in r] for recs in (on_recs, off_recs))
-    if not on or not off or on[-1][0] != off[-1][0]:
-        print0(f"{other_path} is a run of a different length: not compared")
+def read_baseline(args):
+    """--compare-with DIR: the train records of DIR/metrics.jsonl, a finished run of --steps steps; checked on
+    every rank before the process group starts (a directory never holds two runs, so the baseline is a
+    run of its own: run it first, then this one with --compare-with)."""
+    if args.compare_with is None:
         return None
-    label = "fp8 tiles" if on_mode == "on" else on_mode
+    path = os.path.join(args.compare_with, "metrics.jsonl")
+    records, why = [], None
+    try:
+        with open(path) as f:
+            records = [json.loads(line) for line in f]
+    except (OSError, ValueError) as e:
+        why = f"{path} cannot be read ({type(e).__name__})"
+    steps = [r["step"] for r in records if "loss" in r]
+    if why is None and len(steps) != args.steps:
+        why = f"{path} holds {len(steps)} training steps, this run has --steps {args.steps}"
+    if not gpt2.agree(why is None):
+        gpt2.fail(why or "rank 0 could not read the baseline", "--compare-with",
+                  "give the --out of a finished run with the same --steps (e.g. python fp8.py --fp8 off --out out/fp8_off)")
+    return records
+
+
+def compare_with_baseline(args, records, baseline):
+    """Print this run's final-loss gap to the --compare-with run and draw OUT/<mode>_vs_baseline.png (mode: fp8
+    = the DeepSeek tiles, mxfp8, nvfp4, or off); without --compare-with, say how to compare."""
+    mode = "off" if args.fp8 == "off" else "fp8" if args.format == "deepseek" else args.format
+    if baseline is None:
+        print0("compare: run the same command with " + (f"--fp8 on --out OTHER_DIR --compare-with {args.out}" if mode == "off"
+               else "--fp8 off --out BASE_DIR, then this one with --compare-with BASE_DIR (a new --out)"))
+        return None
+    on, off = ([(r["step"], r["loss"]) for r in recs if "loss" in r] for recs in (records, baseline))
+    label, base = {"fp8": "fp8 tiles"}.get(mode, mode), f"{args.compare_with}"
     gap = (on[-1][1] - off[-1][1]) / off[-1][1]
-    print0(f"final train loss: {label} {on[-1][1]:.4f} | baseline {off[-1][1]:.4f} | gap {100 * gap:+.2f}%")
-    val_on, val_off = ([r["val_loss"] for r in recs if "val_loss" in r] for recs in (on_recs, off_recs))
+    print0(f"final train loss: {label} {on[-1][1]:.4f} | {base} {off[-1][1]:.4f} | gap {100 * gap:+.2f}%")
+    val_on, val_off = ([r["val_loss"] for r in recs if "val_loss" in r] for recs in (records, baseline))
     if val_on and val_off:
-        print0(f"final val loss:   {label} {val_on[-1]:.4f} | baseline {val_off[-1]:.4f} | "
+        print0(f"final val loss:   {label} {val_on[-1]:.4f} | {base} {val_off[-1]:.4f} | "
                f"gap {100 * (val_on[-1] - val_off[-1]) / val_off[-1]:+.2f}%")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(6, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    ax.plot(*zip(*off), label="baseline (--fp8 off)")
-    ax.plot(*zip(*on), label=f"{label} (--fp8 on)")
+    ax.plot(*zip(*off), label=f"{base} (--compare-with)")
+    ax.plot(*zip(*on), label=f"{label} (this run)")
     ax.set_ylabel("train loss (nats/token)")
     ax.legend()
     ax2.plot([s for s, _ in on], [100 * (a - b) / b for (_, a), (_, b) in zip(on, off)])
     ax2.axhline(0, color="gray", lw=0.5)
     ax2.set_xlabel("step")
-    ax2.set_ylabel(f"{label} - baseline (%)")
+    ax2.set_ylabel(f"{label} vs --compare-with (%)")
     for a in (ax, ax2):
         a.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "fp8_vs_baseline.png" if on_mode == "on" else f"{on_mode}_vs_baseline.png"), dpi=100)
+    fig.savefig(os.path.join(args.out, f"{mode}_vs_baseline.png"), dpi=100)
     plt.close(fig)
     return gap
 
 
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:
+        demo()
+        return None
+    return train(argv)
+
+
 if __name__ == "__main__":
-    gpt2.run_main(train)
+    gpt2.run_main(main)

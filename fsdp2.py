@@ -129,24 +129,25 @@ class ShardedUnit:
 
 
 class FullyShardedModel(nn.Module):
-    """`module` sharded unit by unit, used like fully_shard: fsdp(x, ...) runs forward_fn (default module),
-    parameters() are this rank's shards (.grad set when backward ends), .module is the model. units: in
-    the order forward runs them (prefetch follows it; backward, its reverse), by default the blocks of
-    the model's first nn.ModuleList; the root (the other parameters, a tied weight) stays gathered
-    through forward and backward, as in FSDP2. The model computes with the gathered parameters swapped in.
+    """`module` sharded unit by unit, used like fully_shard: fsdp(x, ...) runs forward_fn (default module)
+    with the gathered parameters swapped in; parameters() are this rank's shards (.grad set when backward
+    ends); .module is the model. units: in the order forward runs them (prefetch follows it, backward its
+    reverse), by default the blocks of the model's first nn.ModuleList; the root (the other parameters)
+    stays gathered through forward and backward, as in FSDP2. A tied weight sits in one unit or the root.
         fsdp = FullyShardedModel(model); opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
         fsdp(x, y).backward(); opt.step(); opt.zero_grad()"""
     unit_type = ShardedUnit
 
     def __init__(self, module, units=None, group=None, param_dtype=torch.float32, forward_fn=None):
         super().__init__()
-        object.__setattr__(self, "module", module)  # not a submodule: parameters() yields the shards only
-        self.forward_fn, self.group, self.param_dtype = forward_fn or module, group, param_dtype
+        # plain attributes, the model not a submodule: parameters() yields the shards only
+        self.__dict__.update(module=module, forward_fn=forward_fn or module, group=group, param_dtype=param_dtype)
         if units is None:
             units = next((list(m) for m in module.modules() if isinstance(m, nn.ModuleList)), [])
         groups = [list(m.parameters()) for m in units]  # a tie inside a unit is listed once
         owned = {id(p) for params in groups for p in params}
-        assert all(groups) and len(owned) == sum(map(len, groups)), "a unit without parameters, or a tie across units"
+        if not all(groups) or len(owned) < sum(map(len, groups)):
+            raise ValueError("a unit holds no parameters, or shares one with another unit (tie inside one, or root)")
         rest = [p for p in module.parameters() if id(p) not in owned]
         self.root = self.unit_type(rest, group, param_dtype) if rest else None
         self.units = [self.unit_type(params, group, param_dtype) for params in groups]
@@ -256,8 +257,7 @@ def train(argv=None):
     model = gpt2.build_model(args).to(ctx.device)  # the full model on every rank, for a moment (notes)
     cfg, n_params = model.config, model.num_params()
     fsdp = shard_gpt(model, args, ctx.dtype)  # = FullyShardedModel(model, forward_fn=...), plus the flags' extensions
-    opt = gpt2.make_adamw([{"params": [s for s in fsdp.parameters() if s.dim() >= 2], "weight_decay": args.weight_decay},
-                           {"params": [s for s in fsdp.parameters() if s.dim() < 2], "weight_decay": 0.0}], args, ctx.device)
+    opt = gpt2.make_adamw(gpt2.optimizer_groups(fsdp, args.weight_decay), args, ctx.device)  # a slice keeps its dims
     metrics = gpt2.Metrics(args, ctx, cfg, n_params, args.batch_size * args.seq_len * args.grad_accum * ctx.world)
     profiler = gpt2.Profiler(args, ctx)
     gpt2.print0(f"model {args.model}: {n_params / 1e6:.2f}M non-embedding params | {describe(fsdp, ctx)}")
@@ -297,7 +297,6 @@ def train(argv=None):
     gpt2.print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
     return fsdp, opt
 
-
 # ---- Beyond the core ----
 
 
@@ -323,7 +322,7 @@ def full_state_dict(fsdp, all_ranks=False):
     return {k: full[id(p)] for k, p in fsdp.module.named_parameters(remove_duplicate=False)} if mine else None
 
 
-# SHARD_GRAD_OP (FSDP paper sec. 3.2.1, fully_shard(reshard_after_forward=False)): keep each unit's
+# SHARD_GRAD_OP (torch's ShardingStrategy.SHARD_GRAD_OP, fully_shard(reshard_after_forward=False)): keep each unit's
 # full weights from its forward to its backward: one gather per micro-step instead of two, more memory.
 # "ZeRO-2-like", but the paper's ZeRO-2 never gathers (its parameters are replicated: ddp.py's territory).
 def keep_gathered_until_backward(fsdp):
@@ -332,7 +331,7 @@ def keep_gathered_until_backward(fsdp):
     return fsdp
 
 
-# HSDP (FSDP paper sec. 3.2.2, fully_shard on a 2-D DeviceMesh): N = R replicas x S shards, rank =
+# HSDP (hybrid sharding, Zhao et al. 2023 sec. 3; fully_shard on a 2-D DeviceMesh): N = R replicas x S shards, rank =
 # replica * S + shard. A unit is sharded over the S ranks of its row (the per-unit gathers stay on a
 # node's fast links) and its reduced slices are all-reduced across the R rows (only 4P/S bytes between
 # nodes). Here that all-reduce blocks when the reduce-scatter is waited for; fully_shard overlaps it.
@@ -359,8 +358,8 @@ class HybridShardedModel(FullyShardedModel):
 # Mixed precision (--mp-policy, with --dtype bfloat16). bf16-gather (default): gather bf16 copies of the
 # fp32 slices, reduce fp32, as fully_shard's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32):
 # half the gather bytes, but embeddings, LayerNorms and the residual stream become bf16 (gpt2.py keeps
-# them fp32 under autocast; measured 3e-5 from it in 4 tiny steps). autocast: gather fp32 and let
-# autocast cast per op: gpt2.py's numerics (2e-6, reduction order), at twice the gather bytes.
+# them fp32 under autocast; 3.3e-5 from it in 4 tiny steps, test_fsdp2). autocast: gather fp32 and let
+# autocast cast per op: gpt2.py's numerics (3.4e-6, reduction order only), at twice the gather bytes.
 def gather_dtype(args, dtype):
     return torch.bfloat16 if args.mp_policy == "bf16-gather" and dtype == torch.bfloat16 else torch.float32
 
@@ -403,7 +402,8 @@ all_reduce = _metered(all_reduce, "all_reduce", lambda t: t.nbytes)
 def count_in_flight(fsdp):
     """Measure the core's claims while it runs: the most units gathered (or being gathered) at once
     (2 with the prefetch: this unit and the next) and the most reduce-scatters in flight at once (2:
-    the memory formula's two fp32 reduce buffers), by wrapping each unit's gather and the reduce."""
+    the memory formula's two fp32 reduce buffers: a unit's is issued while the previous one is pending),
+    by wrapping each unit's gather and reduce-scatter."""
     fsdp.max_gathered_units = fsdp.max_reduces_in_flight = 0
 
     def count_gathered():
@@ -415,19 +415,19 @@ def count_in_flight(fsdp):
                 f()
                 count_gathered()
             setattr(unit, name, call)
-    reduce = fsdp._reduce
-
-    def counted_reduce(unit):
-        fsdp.max_reduces_in_flight = max(fsdp.max_reduces_in_flight, 1 + (fsdp.pending_rs is not None))
-        reduce(unit)
-    fsdp._reduce = counted_reduce
+    for unit in fsdp.all_units:
+        def issue(f=unit.reduce_scatter_grads):
+            fsdp.max_reduces_in_flight = max(fsdp.max_reduces_in_flight, 1 + (fsdp.pending_rs is not None))
+            return f()
+        unit.reduce_scatter_grads = issue
     return fsdp
 
 
 def describe(fsdp, ctx):
     r = getattr(fsdp, "replicas", 1)
     return (f"{ctx.world} ranks = {r} replicas x {ctx.world // r} shards | reshard-after-forward "
-            f"{int(not getattr(fsdp, 'keeps_gathered', False))} | gathers {fsdp.param_dtype} | device {ctx.device} {ctx.dtype}")
+            f"{int(not getattr(fsdp, 'keeps_gathered', False))} | gathers {fsdp.param_dtype} | "
+            f"device {ctx.device} {ctx.dtype}")
 
 
 def persistent_mb(fsdp, opt):
@@ -454,7 +454,8 @@ def memory_formula(fsdp):
     if not getattr(fsdp, "keeps_gathered", False):
         mid = {"gathered": p * (root + 2 * blk), "full_grads": g * (root + blk), "reduce_buffers": 8 * blk}
     else:
-        mid = {"gathered": p * (root + len(fsdp.units) * blk), "full_grads": g * (root + blk), "reduce_buffers": 4 * blk}
+        mid = {"gathered": p * (root + len(fsdp.units) * blk), "full_grads": g * (root + blk),
+               "reduce_buffers": 4 * blk}
     f = {"persistent": 16 * sum(s.numel() for s in fsdp.parameters()),
          **(mid if sum(mid.values()) > sum(end.values()) else end)}
     f["peak"] = sum(f.values())
@@ -510,7 +511,8 @@ def report(fsdp, opt, args, ctx, step_comm_mb):
            f"{fsdp.max_reduces_in_flight} reduce-scatters in flight at once")
     measured = f" | measured peak {torch.cuda.max_memory_allocated(ctx.device) / 1e6:.2f} MB (with activations)" \
         if ctx.device.type == "cuda" else " | CPU: tests/bench_fsdp2.py measures the peak"
-    gpt2.print0(f"peak memory/rank formula: persistent {f['persistent']:.2f} + gathered {f['gathered']:.2f} + full grads "
+    gpt2.print0(f"peak memory/rank formula: persistent {f['persistent']:.2f} + gathered {f['gathered']:.2f} + "
+                f"full grads "
            f"{f['full_grads']:.2f} + fp32 reduce buffers {f['reduce_buffers']:.2f} = {f['peak']:.2f} MB "
            f"+ activations{measured}")
     mode = "SHARD_GRAD_OP" if getattr(fsdp, "keeps_gathered", False) else "ZeRO-3"
@@ -542,7 +544,8 @@ def check(args):
     if world < 2:
         gpt2.fail("fsdp2.py shards over several ranks but runs alone", "WORLD_SIZE",
                   "launch it with torchrun --nproc_per_node=N (N >= 2); one process is gpt2.py train")
-    gpt2.check_range(args.reshard_after_forward, "--reshard-after-forward", 0, 1, "give 1 (ZeRO-3) or 0 (SHARD_GRAD_OP)")
+    gpt2.check_range(args.reshard_after_forward, "--reshard-after-forward", 0, 1,
+                     "give 1 (ZeRO-3) or 0 (SHARD_GRAD_OP)")
     gpt2.check_range(args.replicate, "--replicate", 1, todo=f"pick R >= 1 dividing {world} (each replica shards "
                      f"over {world} / R ranks)")
     if world % args.replicate:

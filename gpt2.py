@@ -776,6 +776,7 @@ def run_main(main, argv=None):
         end_gloo_group()
         sys.exit(130)
     if dist.is_initialized():
+        dist.barrier()  # every rank is done before any tears its part of the group down
         dist.destroy_process_group()
 
 
@@ -843,15 +844,15 @@ def agree(ok, device=None):
     return bool(flag.item())
 
 
-def check_finite_weights(tensors, step, device=None):
+def check_finite_weights(tensors, step, device=None, flag="--lr",
+                         todo="nothing was saved: lower --lr, keep --grad-clip on, or raise --warmup"):
     """Before anything is written: the weights after the last update are finite on every rank (the loss
     check sees only the weights before it). A collective when there is a group: every rank calls it."""
     tensors = [t for t in tensors if t.is_floating_point()]
     bad = sum(int(not torch.isfinite(t.detach()).all()) for t in tensors)
     if not agree(bad == 0, device):
         fail(f"the weights are not finite after step {step} ({bad} of {len(tensors)} tensors on rank "
-             f"{int(os.environ.get('RANK', 0))} hold NaN or Inf)", "--lr",
-             "nothing was saved: lower --lr, keep --grad-clip on, or raise --warmup")
+             f"{int(os.environ.get('RANK', 0))} hold NaN or Inf)", flag, todo)
 
 
 def save_model(path, cfg, state, **extra):
@@ -876,7 +877,7 @@ def check_args(args):
     for flag, v in vars(args).items():  # one rule for every float flag of every file: finite
         if isinstance(v, float) and not math.isfinite(v):
             fail(f"--{flag.replace('_', '-')} is {v}", f"--{flag.replace('_', '-')}", "give a finite number")
-    if getattr(args, "lr", 1.0) <= 0:
+    if not 0 < getattr(args, "lr", 1.0) <= torch.finfo(torch.float32).max:  # the optimizers compute in fp32
         fail(f"--lr is {args.lr}", "--lr", "give a positive learning rate (GPT-2 124M: 6e-4)")
     if getattr(args, "grad_clip", 0.0) < 0 or getattr(args, "weight_decay", 0.0) < 0:
         fail("a negative --grad-clip or --weight-decay", "--grad-clip/--weight-decay",
@@ -945,15 +946,18 @@ def watch_launcher(interval=1.0):
     an orphan would train on, and commit checkpoints, for a job nobody watches."""
     parent = os.getppid()
 
+    done = threading.Event()
+
     def watch():
-        while True:
-            time.sleep(interval)
+        while not done.wait(interval):
             if os.getppid() != parent:
                 print(f"error: the launcher (pid {parent}) died (torchrun): this rank "
                       f"{os.environ.get('RANK', 0)} stops; relaunch the job", file=sys.stderr, flush=True)
                 os._exit(3)
 
-    threading.Thread(target=watch, daemon=True, name="watch_launcher").start()
+    thread = threading.Thread(target=watch, daemon=True, name="watch_launcher")
+    thread.start()
+    atexit.register(lambda: (done.set(), thread.join(timeout=2 * interval)))  # no thread left running at exit
 
 
 def make_parser(description):

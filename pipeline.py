@@ -1,87 +1,42 @@
 """
-pipeline.py - pipeline parallelism from point-to-point messages: GPipe, 1F1B, ZB-H1, interleaved 1F1B,
-DualPipe and DualPipeV, with an NCCL-safe message plan, every op timed, the bubble measured and drawn.
+pipeline.py - pipeline parallelism from point-to-point messages: GPT-2's blocks cut into stages, one per rank.
 
-The idea: cut GPT-2's stack of blocks into stages and give each rank one (or a few) of them. The batch is
-split into M micro-batches that stream through the stages: while rank 1 runs its blocks on micro-batch
-0, rank 0 already runs its blocks on micro-batch 1. Only the activation at each cut (B/M x T x C) moves
-forward, and its gradient moves back. The *schedule* is the order in which a rank runs forwards (F) and
-backwards (B), or backwards split into the input gradient (I: the zero-bubble paper's B; DeepSeek's B is
-the full backward, our B) and the weight gradient (W), which has no consumer downstream and so can wait. The idle time a schedule
-leaves is its bubble. Here every schedule is a plain function that returns each rank's list of ops; from
-all ranks' lists, plan_messages lays out every batch_isend_irecv of the step in advance (a pure function,
-checked against a model of NCCL's point-to-point rules in tests/), and one executor runs any list.
+The batch is split into M micro-batches that stream through the P stages: while rank 1 runs its blocks on
+micro-batch 0, rank 0 already runs micro-batch 1. Only the activation at each cut (B/M, T, C) moves forward
+and its gradient back. A schedule is each rank's order of ops: GPipe runs all M forwards, then all M
+backwards; 1F1B alternates them, so a rank holds P - rank micro-batches, not M. From every rank's list,
+plan_messages lays out each batch_isend_irecv of the step in advance; the executor receives, computes, sends.
+Notation: F forward, B full backward = I (input gradient) + W (weight gradient); the zero-bubble paper's B is our I.
 
-    gpipe / 1f1b / zbh1, P=4 (12 layers):  stage s on rank s
-      rank0 [wte wpe h0-2] --act--> rank1 [h3-5] --act--> rank2 [h6-8] --act--> rank3 [h9-11 ln_f lm_head]
-                           <-grad--             <-grad--             <-grad--
-      lm_head is tied to wte: rank0 and rank3 each keep a copy and sum their gradients every step.
-    interleaved, P=4, V=3: rank r holds stages r, r+4, r+8 (one block each): a micro-batch goes round 3 times
-    dualpipe, P=4: rank r holds stage r AND stage P-1-r (two copies of every stage, grads summed in pairs)
-      direction 0, mb 0..M/2-1:  rank0 S0 -> rank1 S1 -> rank2 S2 -> rank3 S3 -> loss on rank3
-      direction 1, mb M/2..M-1:  rank3 S0 -> rank2 S1 -> rank1 S2 -> rank0 S3 -> loss on rank0
-    dualpipev, P=4 (2P = 8 stages): rank r holds stage r and stage 2P-1-r; micro-batches go down the V
-      rank0 S0 -> rank1 S1 -> rank2 S2 -> rank3 S3 --+      and come back up: the loss and both uses of
-      rank0 S7 <- rank1 S6 <- rank2 S5 <- rank3 S4 <-+      the tied wte are on rank0 (one tensor).
-    --dp D: D pipeline replicas (rank = replica * P + stage rank), gradients averaged across replicas.
+  rank0 [wte wpe h0-2] --act--> rank1 [h3-5] --act--> rank2 [h6-8] --act--> rank3 [h9-11 ln_f lm_head]
+                       <-grad--             <-grad--            <-grad--    lm_head is wte: grads summed
+1F1B at P=2, M=4, as planned (a/g: activation/gradient of a micro-batch; the batch, then the op):
+   op  rank 0                       rank 1
+    0  F0                           recv a0 | F0
+    1  send a0 | F1                 recv a1 | B0
+    2  send a1, recv g0 | B0        send g0 | F1
+    3  F2                           B1
+    4  send a2, recv g1 | B1        send g1, recv a2 | F2
+    5  F3                           B2
+    6  send a3, recv g2 | B2        send g2, recv a3 | F3
+    7  recv g3 | B3                 B3
+  end                               send g3
+Unplanned (send when made, receive when needed), and a send may block until its receive is posted (NCCL):
+  rank 0: F1 done, sends a1 and blocks: rank 1 posts "recv a1" only before its F1
+  rank 1: F0, B0 done, sends g0 and blocks: rank 0 posts "recv g0" only before its B0. Neither returns.
+A send and the receives planned beside it go in one batch_isend_irecv (one NCCL group), so they progress
+together, never one waiting for the other; the planner picks the batch of every receive so that no
+cycle of waits is left, for any schedule (tests/ checks every plan against a model of NCCL's rules).
 
-Timelines at P=4, M=8, one character per forward's time (F=1, B=2, I=W=1; lower case: the way back up
-the V; '.' idle), as simulate() lays them out and tests/ checks:
-    1F1B   rank0 FFFF......BBFBBFBBFBBFBB.BB.BB.BB     idle per rank (P-1)(F+B) = 9 of 33
-           rank1 .FFF....BBFBBFBBFBBFBBFBB.BB.BB..
-           rank2 ..FF..BBFBBFBBFBBFBBFBBFBB.BB....
-           rank3 ...FBBFBBFBBFBBFBBFBBFBBFBB......
-    DualPipeV rank0 FFFFFFFfiwfiwfiwfFbbfBBbbf.BBbbf.BBbbf.BBbbIWIWIWIW   idle 3 of 51 per rank, each rank
-              rank1 .FFFFFfFfiwfiwfFbbfBBFbbfBBbbf.BBbbf.BBbbBBiIwIWIWW   doing twice 1F1B's work (2P stages)
-              rank2 ..FFFfFfFfiwfFbbfBBFbbfBBFbbfBBbbf.BBbbBBbbIiIWIwWW
-              rank3 ...FfFfFfFfFbbfBBFbbfBBFbbfBBFbbfBBbbBBbbBBiIiIwWwW
-
-Why DualPipe exists, and what this file does not do. DeepSeek-V3 (section 3.2.1) built DualPipe for
-expert parallelism: each MoE layer's dispatch and combine all-to-alls cost about as much as its compute,
-so DualPipe pairs the forward of one micro-batch with the backward of another (the F&B pairs of its
-main phase) and runs them as one unit on two CUDA streams, each chunk's all-to-all and pipeline sends
-hidden under the other chunk's compute. Its bubble, (PP/2-1)(F&B+B-3W) per rank (table 2), assumes that
-unit. This file has no all-to-all (GPT-2 is dense) and runs F then B on one stream; it overlaps only
-the point-to-point messages (in flight while the next op computes) and nothing inside an op. simulate()
-models both: paired=True (F&B as one unit) reproduces table 2's formula exactly, the executor's own
-order idles half of it at F=1, B=2, W=1 (tests/), and report() prints both, labelled. That is no win
-over DeepSeek: pairing trades idle time for hiding an all-to-all inside each F&B, and pays only where
-there is one to hide, which a dense model has not. What this file keeps of DualPipe is the schedule:
-two directions (or the V) and W's that fill the ramps.
-
-Messages and memory. An activation crossing a boundary is (B/M, T, C) in the run's compute dtype (bf16
-on GPUs, received back into the fp32 residual stream); the whole batch crosses each boundary once
-forward and once back. A stage's output is freed as soon as its send is done (backward keeps only the
-graph behind it, as Megatron-LM's deallocate_output_tensor does); the I/W tape keeps, per matmul and
-LayerNorm, its input and where its output's gradient arrives, never the output; but from I to W it holds
-that output gradient, for lm_head the logits-sized (B/M, T, V): ZB-H1's last stage keeps P of them.
-
-GPT-2 124M at 8 ranks, B=16 x T=1024 per replica (tests/bench_pipeline.py --per-rank-124m measures
-the same on a fake process group; `1f1b` rank 0 of P=4 x D=2):
-    activation per boundary per step = 2 (fwd+bwd) x 16 x 1024 x 768 x 2 B (bf16) = 50.3 MB (25.2 MB sent)
-    tied wte all-reduce, rank 0 <-> rank P-1 = 50304 x 768 x 4 B = 154.5 MB per step (2 ranks: each sends it once)
-    rank 0 parameters = wte 38.63M + wpe 0.79M + 3 blocks x 7.09M = 60.7M -> 243 MB fp32, grads 243 MB,
-      AdamW 486 MB (16 B/param: 971 MB) vs 1991 MB for ddp.py's whole model
-    data parallel all-reduce of rank 0's gradients over D=2 = 243 MB sent; total sent ~ 25 + 155 + 243 = 423 MB
-    activations saved for backward (bf16, M=4): all 4 micro-batches of 4 rows in flight on rank 0 (1F1B holds
-      P - rank), 3 blocks each: 1382 MB measured = 28.8 MB per row per block (Korthikanti et al.: 34 T C = 26.7 MB)
-    the whole table (every schedule; dualpipev P=2 rank 0: 1311 MB of state, 542 MB sent, 4592 MB activations):
-      python tests/bench_pipeline.py --per-rank-124m
-
-Launch (the tiny model on CPU; add --device cuda for GPUs, where bf16 autocast and flash attention apply):
-    torchrun --nproc_per_node=2 pipeline.py --schedule 1f1b --micro-batches 4 --batch-size 8
-    torchrun --nproc_per_node=2 pipeline.py --schedule zbh1 --micro-batches 4 --batch-size 8
-    torchrun --nproc_per_node=2 pipeline.py --schedule interleaved --virtual-stages 2 --micro-batches 4 --batch-size 8
-    torchrun --nproc_per_node=4 pipeline.py --schedule dualpipe --micro-batches 8
-    torchrun --nproc_per_node=4 pipeline.py --schedule dualpipev --micro-batches 8 --n-layer 8 --compile
-    torchrun --nproc_per_node=4 pipeline.py --schedule 1f1b --dp 2 --micro-batches 4
-    python gpt2.py train --batch-size 8 ...   # the same loss curve, step by step (fp32)
-
-References: GPipe (Huang et al. 2019); 1F1B/PipeDream-Flush and interleaved 1F1B (Narayanan et al. 2021,
-Megatron-LM, 2.2); zero-bubble B/W split and ZB-H1 (Qi et al. 2023); DualPipe (DeepSeek-V3 report, 3.2.1)
-and DualPipeV (deepseek-ai/DualPipe); torch.distributed.pipelining, which tests/ compares against.
-Uses from gpt2.py: build_model and the GPT pieces embed / forward_blocks / head_loss, make_parser,
-check_args, setup, make_loaders, optimizer_groups, make_adamw, set_lr, CommMeter, Metrics, Profiler.
+Bubble: (P-1)/(M+P-1) of the step. Bytes per cut per step: 2 x B x T x C x dtype bytes (act + grad).
+Memory per rank: its stage's weights, grads, AdamW (1/P of the blocks; wte on the first and last stage),
+activations of M (GPipe) or P - rank (1F1B) micro-batches of B/M rows.
+Launch: torchrun --nproc_per_node=2 pipeline.py --schedule 1f1b --micro-batches 4 --batch-size 8 (python gpt2.py
+        train --batch-size 8: the same curve); beyond the core: zbh1, interleaved, dualpipe(v); --dp D replicas
+References: GPipe (Huang et al. 2019); 1F1B = PipeDream-Flush (Narayanan et al. 2021, Megatron-LM, 2.2); zero
+bubble (Qi et al. 2023, 3); DualPipe (DeepSeek-V3, 3.2.1); torch.distributed.pipelining (compared in tests/).
+Uses from gpt2.py: build_model, GPT.embed / forward_blocks / head_loss, setup, make_loaders, make_adamw,
+optimizer_groups, set_lr, Metrics, Profiler, CommMeter, check_args, fail, run_main.
 """
 import collections
 import contextlib
@@ -97,14 +52,7 @@ import torch.nn.functional as F
 import gpt2
 from gpt2 import print0
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "zbh1", "interleaved", "dualpipe", "dualpipev")
-
-# ----------------------------------------------------------------------------------------------------
-# Schedules: rank r's ordered list of ops. An op is (kind, stage, micro-batch), kind one of
-#   F forward | B full backward (input and weight gradients) | I input-gradient half of a backward |
-#   W weight-gradient half, deferred (zero-bubble split, Qi et al. 2023)
-
-Op = collections.namedtuple("Op", "kind stage mb")
+Op = collections.namedtuple("Op", "kind stage mb")  # kind F | B (and I | W below the banner)
 
 
 def gpipe(P, M, rank):
@@ -118,8 +66,410 @@ def one_f_one_b(P, M, rank):
     ops = [Op("F", rank, i) for i in range(warmup)]
     for i in range(M - warmup):  # steady state: one forward, one backward
         ops += [Op("F", rank, warmup + i), Op("B", rank, i)]
-    ops += [Op("B", rank, i) for i in range(M - warmup, M)]  # cooldown: drain the backwards
-    return ops
+    return ops + [Op("B", rank, i) for i in range(M - warmup, M)]  # cooldown: drain the backwards
+
+
+def message_out(op, S):
+    """What an op sends, keyed by the receiving stage: F its activation, B (and I) its input's gradient."""
+    if op.kind == "F" and op.stage < S - 1:
+        return ("act", op.stage + 1, op.mb)
+    return ("grad", op.stage - 1, op.mb) if op.kind in "BI" and op.stage > 0 else None
+
+
+def message_in(op, S):
+    """What an op waits for (the mirror of message_out)."""
+    if op.kind == "F" and op.stage > 0:
+        return ("act", op.stage, op.mb)
+    return ("grad", op.stage, op.mb) if op.kind in "BI" and op.stage < S - 1 else None
+
+
+def simulate(orders, cost, unit=lambda order, i: 1):
+    """Every rank's op list run against its data dependencies, op durations `cost` ({kind or (kind, stage):
+    time}), free messages -> per rank [(op, start, end)]; unit(order, i): ops from i run as one unit."""
+    P, S = len(orders), 1 + max(op.stage for order in orders for op in order)
+    dur = lambda op: cost.get((op.kind, op.stage), cost.get(op.kind))  # noqa: E731
+    made_by = lambda key: ("F", key[1] - 1, key[2]) if key[0] == "act" else ("B", key[1] + 1, key[2])  # noqa: E731
+    done, out, pos, free = {}, [[] for _ in range(P)], [0] * P, [0.0] * P
+    while any(pos[r] < len(orders[r]) for r in range(P)):
+        progressed = False
+        for r in range(P):
+            while pos[r] < len(orders[r]):
+                ops = orders[r][pos[r]:pos[r] + unit(orders[r], pos[r])]
+                needs = [made_by(k) for k in (message_in(o, S) for o in ops) if k is not None]
+                if any(n not in done for n in needs):
+                    break
+                t = max([free[r]] + [done[n] for n in needs])
+                for o in ops:
+                    out[r].append((o, t, t + dur(o)))
+                    t += dur(o)
+                for o in ops:
+                    done[("B" if o.kind == "I" else o.kind, o.stage, o.mb)] = t
+                free[r], pos[r], progressed = t, pos[r] + len(ops), True
+        if not progressed:
+            stuck = [o[p] if p < len(o) else None for o, p in zip(orders, pos)]
+            raise RuntimeError(f"the op lists deadlock (P={P}, at ops {stuck})")
+    return out
+
+
+def plan_messages(orders, owner):
+    """Every message of a step, before anything moves: per rank, batch 0 before its first op, batch i + 1
+    right after op i, each [("send" | "recv", peer, key)]; owner(stage, mb) runs that stage. On one clock
+    (a simulation of the op lists) a message leaves right after the op that made it, at its end t, and
+    the receiver posts it in its first batch at or after t. Intuition: a batch waits only on batches
+    earlier on that clock, so no cycle forms; the proof is tests/' exhaustive check against a model of
+    NCCL's rules. NCCL pairs the n-th send a->b with the n-th receive: receives follow the send order."""
+    spans = simulate(orders, {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0})  # any costs would do: these are nominal
+    S = 1 + max(op.stage for order in orders for op in order)
+    plans = [[[] for _ in range(len(order) + 1)] for order in orders]
+    leaving = []  # (send time, sender, key, receiver)
+    for r, ops in enumerate(spans):
+        for i, (op, _, end) in enumerate(ops):
+            key = message_out(op, S)
+            if key is not None and owner(key[1], key[2]) != r:  # between two stages of one rank: no message
+                plans[r][i + 1].append(("send", owner(key[1], key[2]), key))
+                leaving.append((end, r, key, owner(key[1], key[2])))
+    for t, src, key, dst in sorted(leaving):
+        starts = [a for _, a, _ in spans[dst]] + [float("inf")]  # batch j is posted when op j starts
+        plans[dst][next(j for j, a in enumerate(starts) if a >= t)].append(("recv", src, key))
+    return plans
+
+
+def keep_only(model, layers, first, last):
+    """Strip the model, in place, to a rank's blocks, the embeddings if first, ln_f and lm_head (= wte) if last."""
+    for i in set(range(model.config.n_layer)) - set(layers):
+        model.h[i] = nn.Identity()
+    model.wte, model.wpe = (model.wte, model.wpe) if first else (None, None)
+    model.ln_f, model.lm_head = (model.ln_f, model.lm_head) if last else (None, None)
+    return model
+
+
+class Pipeline:
+    """This rank's stage of GPT-2 and the executor of a schedule over it (1F1B; GPipe below). run, per op:
+    receive (wait for the planned receive of its input), compute, send (queue the output, issue the next
+    planned batch). inbox: posted receives by key; outbox: outputs awaiting their batch; saved: per (stage,
+    micro-batch) what its backward needs. The schedules below the banner override the layout methods."""
+    schedule = staticmethod(one_f_one_b)
+
+    def __init__(self, args, ctx, P):
+        self.args, self.ctx, self.P, self.M, self.D = args, ctx, P, args.micro_batches, args.dp
+        self.pp_rank, self.replica, self.S = ctx.rank % P, ctx.rank // P, self.num_stages()
+        self.base = self.replica * P  # global rank of this replica's pipeline rank 0
+        model = gpt2.build_model(args)  # the full model from --seed, then keep only this rank's stages
+        self.cfg, self.n_params, per = model.config, model.num_params(), model.config.n_layer // self.S
+        self.layers = {s: (s * per, (s + 1) * per) for s in range(self.S)}  # blocks [lo, hi) of each stage
+        self.my_stages = self.stages_of(self.pp_rank)
+        self.first, self.last = 0 in self.my_stages, self.S - 1 in self.my_stages
+        keep = {i for s in self.my_stages for i in range(*self.layers[s])}
+        self.model = keep_only(model, keep, self.first, self.last).to(ctx.device)
+        for i in sorted(keep) if args.compile else ():  # per block, so the stage cuts stay plain Python
+            self.model.h[i].compile()
+        self.orders = [self.op_list(r) for r in range(P)]
+        self.plan = plan_messages(self.orders, self.owner)  # every message of a step, laid out in advance
+        # messages travel in the compute dtype (bf16 on GPUs: half the bytes), the residual stream is fp32
+        self.wire_dtype, self.resid_dtype = ctx.dtype, torch.float32
+        self._make_groups()
+        if ctx.world > 1:
+            dist.barrier()  # brings every NCCL communicator up before the first (partial) batch_isend_irecv
+
+    def num_stages(self):  # the layout: one stage per rank
+        return self.P
+
+    def stages_of(self, rank):
+        return (rank,)
+
+    def owner(self, stage, mb):  # the pipeline rank that runs `stage` for micro-batch `mb`
+        return stage
+
+    def op_list(self, rank):
+        return self.schedule(self.P, self.M, rank)
+
+    def copies(self, p):  # the pipeline ranks holding the same parameters as rank p (gradients summed)
+        return [p]
+
+    def _make_groups(self):  # every rank creates every group, in the same order; None: the default group
+        P, D, r = self.P, self.D, self.ctx.rank
+        new = lambda ranks: dist.new_group(ranks) if 1 < len(ranks) < self.ctx.world else None  # noqa: E731
+        self.pp_group = [new(list(range(d * P, (d + 1) * P))) for d in range(D)][self.replica]  # loss, norm
+        for p in (p for p in range(P) if min(self.copies(p)) == p):  # same parameters: D replicas (x copies)
+            ranks = sorted(d * P + q for d in range(D) for q in self.copies(p))
+            g = new(ranks)
+            if r in ranks:
+                self.grad_group, self.grad_group_size = g, len(ranks)
+        # tied wte/lm_head on two ranks: each keeps a copy, gradients summed (Megatron-LM's embedding group)
+        self.tied_split = P > 1 and self.S - 1 not in self.stages_of(0)
+        if self.tied_split:
+            self.embed_group = [new([d * P, d * P + P - 1]) for d in range(D)][self.replica]
+
+    def receive(self, op):
+        """Wait for the planned receive that carries this op's input (None: the op needs none)."""
+        key = message_in(op, self.S)
+        tensor, works = (None, []) if key is None else self.inbox.pop(key)
+        for w in works:
+            w.wait()
+        return tensor
+
+    def send(self, message, batch):
+        """Queue an op's output (key, tensor) and issue the planned batch that follows the op."""
+        if message is not None:
+            key, tensor = message
+            if self.owner(key[1], key[2]) == self.pp_rank:  # the next stage is on this rank: no message
+                self.inbox[key] = (tensor.detach(), [])
+            else:
+                self.outbox[key] = tensor.detach().to(self.wire_dtype).contiguous()
+        self._issue(batch)
+
+    def _issue(self, batch):
+        """One planned batch_isend_irecv: the queued sends and the receives planned here. Tags are for gloo,
+        which matches on them; NCCL matches in order, which the plan guarantees."""
+        tag = lambda key: ((key[0] == "grad") * self.S + key[1]) * self.M + key[2]  # noqa: E731
+        buffer = lambda: torch.empty(self.act_shape, dtype=self.wire_dtype, device=self.ctx.device)  # noqa: E731
+        ops = [dist.P2POp(dist.isend, self.outbox.pop(key), self.base + peer, tag=tag(key)) if kind == "send" else
+               dist.P2POp(dist.irecv, buffer(), self.base + peer, tag=tag(key)) for kind, peer, key in batch]
+        if ops:
+            works = dist.batch_isend_irecv(ops)
+            per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)  # gloo: one each; NCCL: one
+            for (kind, _, key), op, w in zip(batch, ops, per_op):
+                if kind == "send":
+                    self.sent.append((w, op.tensor))
+                else:
+                    self.inbox[key] = (op.tensor, w)
+        # a send buffer is dropped as soon as its send is done: the stage output it holds is then freed
+        # (Megatron's deallocate_output_tensor; backward needs only the graph, kept as a GradientEdge)
+        self.sent = [(w, t) for w, t in self.sent if not all(x.is_completed() for x in w)]
+
+    def _all_reduce(self, tensor, group=None):  # the appendix wraps it (and _issue) to count bytes
+        dist.all_reduce(tensor, group=group)
+
+    def compute(self, op, h, xs, ys):  # one op on its input h (or None) -> the message it sends (or None)
+        return self._forward(op, h, xs, ys) if op.kind == "F" else self._backward(op, h)
+
+    def _forward(self, op, h, xs, ys):
+        s, mb = op.stage, op.mb
+        with self.ctx.autocast():
+            if s == 0:
+                h_in, h = None, self.model.embed(xs[mb])  # (B/M, T, C)
+            else:
+                h_in = h = h.to(self.resid_dtype).requires_grad_(torch.is_grad_enabled())
+            h = self.model.forward_blocks(h, *self.layers[s])  # (B/M, T, C)
+            if s == self.S - 1:  # the step's loss is the mean over micro-batches: each is scaled by 1/M
+                out = self.model.head_loss(h, ys[mb]) * self.scale
+                self.loss_sum += out.detach().float()
+        if s < self.S - 1:  # backward needs the graph behind h, not h: once sent, h is freed
+            out = torch.autograd.graph.get_gradient_edge(h) if torch.is_grad_enabled() else None
+        if torch.is_grad_enabled():
+            self.saved[(s, mb)] = (h_in, out)
+        return (("act", s + 1, mb), h) if s < self.S - 1 else None
+
+    def _backward(self, op, grad):
+        s, mb = op.stage, op.mb
+        h_in, out = self.saved.pop((s, mb))
+        torch.autograd.backward(out, None if grad is None else grad.to(self.resid_dtype))
+        return (("grad", s - 1, mb), h_in.grad) if s > 0 else None
+
+    def run(self, x, y, scale, orders=None, plan=None):
+        """One step of this rank's op list and planned messages (others: evaluation's) on the batch (x, y)
+        -> this rank's part of the loss (the scaled micro-batch losses; non-zero where a last stage lives)."""
+        orders, plan, me = orders or self.orders, plan or self.plan, self.pp_rank
+        self.inbox, self.outbox, self.sent, self.saved = {}, {}, [], {}
+        B = x.size(0) // self.M
+        self.act_shape, self.scale = (B, x.size(1), self.cfg.n_embd), scale
+        xs, ys = x.to(self.ctx.device).split(B), y.to(self.ctx.device).split(B)
+        self.loss_sum = torch.zeros((), device=self.ctx.device)
+        self._issue(plan[me][0])  # the receives planned before the first op
+        for i, op in enumerate(orders[me]):
+            h = self.receive(op)
+            out = self.compute(op, h, xs, ys)
+            self.send(out, plan[me][i + 1])
+        for w in (w for works, _ in self.sent for w in works):
+            w.wait()
+        assert not (self.inbox or self.outbox or self.saved), "schedule left work behind"
+        return self.loss_sum
+
+    def sync_grads(self):
+        params = list(self.model.parameters())
+        for p in (p for p in params if p.grad is None):
+            p.grad = torch.zeros_like(p)
+        if self.tied_split and (self.first or self.last):
+            self._all_reduce((self.model.wte if self.first else self.model.lm_head).weight.grad, self.embed_group)
+        if self.grad_group_size > 1:  # sum over the copies, average over the D replicas
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            self._all_reduce(flat, self.grad_group)
+            flat /= self.D
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
+
+    def global_loss(self, loss_sum):
+        if self.ctx.world > 1:  # the last stages hold the losses; the mean over replicas is the step's loss
+            self._all_reduce(loss_sum)
+        return (loss_sum / self.D).item()
+
+
+class GPipe(Pipeline):
+    schedule = staticmethod(gpipe)
+
+
+def train(argv=None):
+    """gpt2.train's order: lr, micro-steps, clip, step, zero_grad, check, log, eval."""
+    args = make_parser().parse_args(argv)
+    P = check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    ctx, comm = gpt2.setup(args), gpt2.CommMeter()
+    pipe = build_pipeline(args, ctx, P, comm)  # the class of --schedule, with its timeline and byte meter
+    train_loader, val_loader = gpt2.make_loaders(args, pipe.replica, args.dp, pipe.cfg.vocab_size)
+    opt = gpt2.make_adamw(gpt2.optimizer_groups(pipe.model, args.weight_decay), args, ctx.device)
+    tokens = args.batch_size * args.seq_len * args.grad_accum * args.dp
+    metrics, profiler = gpt2.Metrics(args, ctx, pipe.cfg, pipe.n_params, tokens), gpt2.Profiler(args, ctx)
+    print0(f"{args.schedule}: P={P} x D={args.dp} replicas, {pipe.S} stages of {pipe.cfg.n_layer // pipe.S} blocks,"
+           f" M={pipe.M} micro-batches of {args.batch_size // pipe.M} | device {ctx.device} {ctx.dtype}")
+    scale = 1.0 / (args.micro_batches * args.grad_accum)
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = gpt2.set_lr(opt, step, args)
+        loss_sum = torch.zeros((), device=ctx.device)
+        for _ in range(args.grad_accum):
+            x, y = train_loader.next_batch()
+            loss_sum += pipe.run(x, y, scale, align=step == args.steps - 1)  # align: the drawn step
+        pipe.sync_grads()
+        loss_val = pipe.global_loss(loss_sum)
+        if args.grad_clip > 0:
+            clip_grad_norm(pipe, args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        gpt2.check_finite(loss_val, step)
+        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb())
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            pipe.model.eval()
+            metrics.log_val(step, evaluate(pipe, val_loader, args.eval_steps))
+            pipe.model.train()
+    report(pipe, args)
+    metrics.plot()
+    print0(f"wrote {args.out}/metrics.jsonl, loss.png and schedule.png")
+    return pipe
+
+
+# ---- Beyond the core ----
+# Each schedule below is a subclass of Pipeline, chosen by --schedule (build_pipeline in the appendix):
+#   SplitBackward: the I/W tape, a backward split into I now and W later (zero bubble, Qi et al. 2023, 2)
+#   ZBH1: 1F1B with W's deferred into the cooldown (Qi et al. 2023, 3.1)
+#   Interleaved: --virtual-stages V chunks per rank (Narayanan et al. 2021, 2.2; Megatron-LM's order)
+#   DualPipe: two directions, two copies of every stage (DeepSeek-V3 3.2.1; deepseek-ai/DualPipe)
+#   DualPipeV: DualPipe folded into a V, one copy (deepseek-ai/DualPipe, torch's ScheduleDualPipeV)
+#   simulate_paired: DualPipe as DeepSeek runs it, each F&B pair one unit (DeepSeek-V3 table 2)
+#   clip_grad_norm: gpt2.py's --grad-clip over the stages of a pipeline (each parameter counted once)
+
+
+def clip_grad_norm(pipe, max_norm):
+    """gpt2.py's --grad-clip across the stages: torch.nn.utils.clip_grad_norm_ over the whole model, each
+    parameter counted once (the lowest of its copies; the head's copy of wte on the first stage)."""
+    params = [] if min(pipe.copies(pipe.pp_rank)) != pipe.pp_rank else [
+        p for p in pipe.model.parameters() if not (pipe.tied_split and pipe.last and p is pipe.model.lm_head.weight)]
+    sq = sum((torch.linalg.vector_norm(p.grad.float()).square() for p in params),
+             torch.zeros((), device=pipe.ctx.device))
+    if pipe.P > 1:
+        pipe._all_reduce(sq, pipe.pp_group)
+    coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
+    for p in pipe.model.parameters():
+        p.grad.mul_(coef)
+    return sq.sqrt()
+
+
+def _accumulate(p, g, rows=None):
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    if rows is not None:
+        p.grad.index_add_(0, rows[0], rows[1].to(p.dtype))
+    else:
+        p.grad += g.to(p.dtype)
+
+
+class SplitBackward(Pipeline):
+    """The I/W tape: a forward whose backward will be split records, per Linear and LayerNorm (and the
+    embedding), its input and where its output's gradient arrives; I computes the gradients of the stage
+    input and of those outputs (autograd skips the weight-gradient matmuls), W the weight gradients from
+    the recorded pairs. The outputs are not kept, but from I to W the tape holds each output's gradient:
+    for lm_head the logits-sized (B/M, T, V). Ops I and W; B stays the full backward."""
+
+    def __init__(self, args, ctx, P):
+        super().__init__(args, ctx, P)
+        self._tape = None
+        if any(op.kind == "I" for op in self.orders[self.pp_rank]):
+            for m in self.model.modules():
+                if isinstance(m, (nn.Linear, nn.LayerNorm)):
+                    self._record_inputs(m)
+            if self.first:
+                self._record_embed()
+
+    def _record_inputs(self, module):
+        """Wrap a Linear/LayerNorm so that, inside a recorded forward, it writes (module, input, where its
+        output's gradient arrives) on the tape. Under --compile the wrapper stays eager (a graph break)."""
+        forward = module.forward
+
+        @torch.compiler.disable
+        def recorded(x):
+            y = forward(x)
+            if self._tape is not None:
+                self._tape.append((module, x, torch.autograd.graph.get_gradient_edge(y)))
+            return y
+        module.forward = recorded
+
+    def _record_embed(self):
+        embed = self.model.embed
+
+        def recorded(idx):
+            h = embed(idx)
+            if self._tape is not None:
+                self._tape.append(("embed", idx, torch.autograd.graph.get_gradient_edge(h)))
+            return h
+        self.model.embed = recorded
+
+    def run(self, x, y, scale, orders=None, plan=None):
+        self.split = {(op.stage, op.mb) for op in (orders or self.orders)[self.pp_rank] if op.kind == "I"}
+        self.tapes, self.deferred = {}, {}
+        loss = super().run(x, y, scale, orders, plan)
+        assert not (self.tapes or self.deferred), "schedule left work behind"
+        return loss
+
+    def compute(self, op, h, xs, ys):
+        if op.kind == "I":
+            return self._input_grad(op, h)
+        if op.kind == "W":
+            return self._weight(op)
+        return super().compute(op, h, xs, ys)
+
+    def _forward(self, op, h, xs, ys):
+        if (op.stage, op.mb) not in self.split:
+            return super()._forward(op, h, xs, ys)
+        self._tape = []
+        message = super()._forward(op, h, xs, ys)
+        self.tapes[(op.stage, op.mb)], self._tape = self._tape, None
+        return message
+
+    def _input_grad(self, op, grad):
+        """I: the gradient w.r.t. the stage input (the previous stage waits for it) and w.r.t. every recorded
+        output; the (input, output gradient) pairs wait for W."""
+        s, mb = op.stage, op.mb
+        (h_in, out), tape = self.saved.pop((s, mb)), self.tapes.pop((s, mb))
+        inputs = ([h_in] if h_in is not None else []) + [edge for _, _, edge in tape]
+        grads = torch.autograd.grad(out, inputs, None if grad is None else grad.to(self.resid_dtype))
+        self.deferred[(s, mb)] = [(m, x, dy) for (m, x, _), dy in zip(tape, grads[len(grads) - len(tape):])]
+        return (("grad", s - 1, mb), grads[0]) if s > 0 else None
+
+    def _weight(self, op):
+        """W: the weight gradients of one I, from the recorded inputs x and output gradients dy."""
+        for m, x, dy in self.deferred.pop((op.stage, op.mb)):
+            if m == "embed":  # x are token ids: wte gathers rows, wpe adds over the batch
+                _accumulate(self.model.wte.weight, None, rows=(x.reshape(-1), dy.reshape(-1, dy.size(-1))))
+                _accumulate(self.model.wpe.weight, None, rows=(torch.arange(dy.size(1), device=dy.device), dy.sum(0)))
+                continue
+            dy2 = dy.reshape(-1, dy.size(-1))
+            if isinstance(m, nn.Linear):
+                _accumulate(m.weight, dy2.t() @ x.reshape(-1, x.size(-1)).to(dy2.dtype))
+            else:  # LayerNorm: y = xhat * gamma + beta
+                xhat = F.layer_norm(x.float(), m.normalized_shape, eps=m.eps).reshape(-1, dy.size(-1))
+                _accumulate(m.weight, (dy2.float() * xhat).sum(0))
+            if m.bias is not None:
+                _accumulate(m.bias, dy2.float().sum(0))
+        return None
 
 
 def zbh1(P, M, rank):
@@ -129,7 +479,8 @@ def zbh1(P, M, rank):
     fill the cooldown, where 1F1B idles: bubble (P-1)(F+B-2W) per rank instead of (P-1)(F+B) (tests/
     simulates it). Memory: P - rank micro-batches await their I, as in 1F1B, but rank r also keeps the W
     state of up to r + 1, so every rank holds state for P micro-batches from F to W; on the last stage
-    that state includes lm_head's logits-sized output gradient (tests/bench_pipeline.py --quick)."""
+    that state includes lm_head's logits-sized output gradient (tests/bench_pipeline.py --quick). The
+    same lists as torch's ScheduleInterleavedZeroBubble with one chunk per rank (tests/)."""
     warmup, lag = min(P - 1 - rank, M), rank
     ops, waiting = [Op("F", rank, i) for i in range(warmup)], collections.deque()
     for i in range(M):
@@ -140,6 +491,10 @@ def zbh1(P, M, rank):
         if len(waiting) > lag or warmup + i >= M:  # steady state: W trails by `lag`; cooldown: drain
             ops.append(Op("W", rank, waiting.popleft()))
     return ops + [Op("W", rank, i) for i in waiting]
+
+
+class ZBH1(SplitBackward):
+    schedule = staticmethod(zbh1)
 
 
 def interleaved(P, M, rank, V):
@@ -156,6 +511,53 @@ def interleaved(P, M, rank, V):
     for k in range(total - warmup):
         ops += [Op("F", *stage_mb(warmup + k, True)), Op("B", *stage_mb(k, False))]
     return ops + [Op("B", *stage_mb(k, False)) for k in range(total - warmup, total)]
+
+
+class Interleaved(Pipeline):
+    """--virtual-stages V: rank r holds stages r, r+P, ..., r+(V-1)P (one chunk of L/(VP) blocks each)."""
+
+    def __init__(self, args, ctx, P):
+        self.V = args.virtual_stages
+        super().__init__(args, ctx, P)
+
+    def num_stages(self):
+        return self.V * self.P
+
+    def stages_of(self, rank):
+        return tuple(c * self.P + rank for c in range(self.V))
+
+    def owner(self, stage, mb):
+        return stage % self.P
+
+    def op_list(self, rank):
+        return interleaved(self.P, self.M, rank, self.V)
+
+
+# Why DualPipe exists, and what this file does not do. DeepSeek-V3 (section 3.2.1) built DualPipe for
+# expert parallelism: each MoE layer's dispatch and combine all-to-alls cost about as much as its compute,
+# so DualPipe pairs the forward of one micro-batch with the backward of another (the F&B pairs of its main
+# phase) and runs them as one unit on two CUDA streams, each chunk's all-to-all and pipeline sends hidden
+# under the other chunk's compute. Its bubble, (PP/2-1)(F&B+B-3W) per rank (table 2), assumes that unit.
+# This file has no all-to-all (GPT-2 is dense) and runs F then B on one stream; it overlaps only the
+# point-to-point messages. simulate_paired (F&B as one unit) reproduces table 2's formula exactly, the
+# executor's own order idles half of it at F=1, B=2, W=1 (tests/), and report() prints both, labelled.
+# That is no win over DeepSeek: pairing trades idle time for hiding an all-to-all inside each F&B, and
+# pays only where there is one to hide, which a dense model has not. What this file keeps of DualPipe is
+# the schedule: two directions (or the V) and W's that fill the ramps. simulate() at F=1, B=2, I=W=1
+# (lower case: the way back up the V; '.' idle), P=4, M=8, beside 1F1B (tests/ checks these pictures):
+#   1F1B      rank0 FFFF......BBFBBFBBFBBFBB.BB.BB.BB     idle per rank (P-1)(F+B) = 9 of 33
+#             rank1 .FFF....BBFBBFBBFBBFBBFBB.BB.BB..
+#             rank2 ..FF..BBFBBFBBFBBFBBFBBFBB.BB....
+#             rank3 ...FBBFBBFBBFBBFBBFBBFBBFBB......
+#   DualPipeV rank0 FFFFFFFfiwfiwfiwfFbbfBBbbf.BBbbf.BBbbf.BBbbIWIWIWIW   idle 3 of 51 per rank, each rank
+#             rank1 .FFFFFfFfiwfiwfFbbfBBFbbfBBbbf.BBbbf.BBbbBBiIwIWIWW   doing twice 1F1B's work (2P stages)
+#             rank2 ..FFFfFfFfiwfFbbfBBFbbfBBFbbfBBbbf.BBbbBBbbIiIWIwWW
+#             rank3 ...FfFfFfFfFbbfBBFbbfBBFbbfBBFbbfBBbbBBbbBBiIiIwWwW
+# Layouts: dualpipe, P=4: rank r holds stage r of direction 0 (fed at rank 0, micro-batches 0..M/2-1) and
+# stage P-1-r of direction 1 (fed at rank P-1, M/2..M-1): two copies of every stage, grads summed in pairs.
+# dualpipev, P=4: 2P = 8 stages, rank r holds stage r (going down) and 2P-1-r (coming back up the V):
+#   rank0 S0 -> rank1 S1 -> rank2 S2 -> rank3 S3 --+   the loss and both uses of the tied wte are on
+#   rank0 S7 <- rank1 S6 <- rank2 S5 <- rank3 S4 <-+   rank0 (one tensor)
 
 
 class _OpList:
@@ -179,8 +581,6 @@ class _OpList:
     def W(self):
         if self.pending_w:
             self.ops.append(Op("W", *self.pending_w.popleft()))
-
-
 def _dualpipe_phases(half, h, chunks, near, far, mb_base):
     """The eight phases of DualPipe (deepseek-ai/DualPipe) on a rank h steps from its end of a pipeline of
     2*half ranks fed `chunks` micro-batches per direction. `near` is this rank's stage in the direction
@@ -228,517 +628,56 @@ def dualpipev(P, M, rank):
     return _dualpipe_phases(P, rank, M, rank, 2 * P - 1 - rank, {})
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zbh1": zbh1, "interleaved": interleaved,
-             "dualpipe": dualpipe, "dualpipev": dualpipev}
+
+class DualPipe(SplitBackward):
+    """M/2 micro-batches enter at each end; rank r holds stage r of direction 0 and stage P-1-r of direction
+    1, so ranks r and P-1-r hold copies of the same stages and sum their gradients (DeepSeek-V3 3.2.1: "two
+    copies of the model parameters"); the first and last stage share a rank (no tied-wte group)."""
+    schedule = staticmethod(dualpipe)
+
+    def stages_of(self, rank):
+        return (rank, self.P - 1 - rank)
+
+    def owner(self, stage, mb):
+        return stage if mb < self.M // 2 else self.P - 1 - stage
+
+    def copies(self, p):
+        return sorted({p, self.P - 1 - p})
 
 
-def op_lists(schedule, P, M, V=2):
-    """Every pipeline rank's op list (V, the chunks per rank, is used by interleaved only)."""
-    return [interleaved(P, M, r, V) if schedule == "interleaved" else SCHEDULES[schedule](P, M, r) for r in range(P)]
+class DualPipeV(SplitBackward):
+    """2P stages down and back up a V: rank r holds stages r and 2P-1-r, one copy of the weights; the turn
+    of the V (stage P-1 to P) stays on rank P-1, and rank 0 holds the loss and both uses of the tied wte."""
+    schedule = staticmethod(dualpipev)
+
+    def num_stages(self):
+        return 2 * self.P
+
+    def stages_of(self, rank):
+        return (rank, 2 * self.P - 1 - rank)
+
+    def owner(self, stage, mb):
+        return stage if stage < self.P else 2 * self.P - 1 - stage
 
 
-def num_stages(schedule, P, V=2):
-    return {"dualpipev": 2 * P, "interleaved": V * P}.get(schedule, P)
+def simulate_paired(orders, cost):
+    """DeepSeek's execution of DualPipe: a forward followed by a full backward of another stage (an "F&B"
+    pair of the main phase) runs as one unit: it starts when both inputs are there, and both outputs leave
+    when it ends, after F + B (no speed-up assumed from the overlap, only its ordering). This file's
+    executor runs them one after the other instead."""
+    def fb_pair(order, i):
+        op, nxt = order[i], order[i + 1] if i + 1 < len(order) else None
+        return 2 if op.kind == "F" and nxt is not None and nxt.kind == "B" and nxt.stage != op.stage else 1
+    return simulate(orders, cost, unit=fb_pair)
 
 
-def stage_owner(schedule, P, M, stage, mb):
-    """The pipeline rank that runs `stage` for micro-batch `mb`."""
-    if schedule == "dualpipe":
-        return stage if mb < M // 2 else P - 1 - stage
-    if schedule == "dualpipev":
-        return stage if stage < P else 2 * P - 1 - stage
-    return stage % P  # interleaved: chunk c of rank r is stage c*P + r
+# ---- Appendix ----
+# Measurement (timeline, byte meter, bubble report, pictures), the schedules' layouts as plain functions for
+# tests/ and benches, argument checks, CLI.
 
-
-def stages_of(schedule, P, rank, V=2):
-    if schedule == "interleaved":
-        return tuple(c * P + rank for c in range(V))
-    return {"dualpipe": (rank, P - 1 - rank), "dualpipev": (rank, 2 * P - 1 - rank)}.get(schedule, (rank,))
-
-
-def forward_only(schedule, P, M, rank, V=2):
-    """Validation: forwards only, lower stages first (a topological order in every layout)."""
-    return [Op("F", s, i) for s in sorted(stages_of(schedule, P, rank, V)) for i in range(M)
-            if stage_owner(schedule, P, M, s, i) == rank]
-
-
-def message_out(op, S):
-    """The message an op sends: a forward its activation to the next stage, a backward (B or I) the
-    gradient of its input to the previous stage; W sends nothing. Keys name the receiving stage."""
-    if op.kind == "F" and op.stage < S - 1:
-        return ("act", op.stage + 1, op.mb)
-    if op.kind in "BI" and op.stage > 0:
-        return ("grad", op.stage - 1, op.mb)
-    return None
-
-
-def message_in(op, S):
-    """The message an op waits for (the mirror of message_out)."""
-    if op.kind == "F" and op.stage > 0:
-        return ("act", op.stage, op.mb)
-    if op.kind in "BI" and op.stage < S - 1:
-        return ("grad", op.stage, op.mb)
-    return None
-
-
-def simulate(orders, cost, paired=False):
-    """Run every rank's op list against the data dependencies with op durations `cost` ({kind: time}, or
-    {(kind, stage): time} for unequal stages) and free communication. Returns per-rank [(op, start,
-    end)]; raises if the lists deadlock. With F=1, B=2 it reproduces the closed forms; with the measured
-    durations it is the ideal this hardware could reach with this schedule.
-    paired: DeepSeek's execution of DualPipe, where a forward followed by a full backward of another stage
-    (an "F&B" pair of the main phase) runs as one unit: it starts when both inputs are there, and both
-    outputs leave when the unit ends, after cost["F&B"] (default F + B: no speed-up assumed from the
-    overlap, only its ordering). This file's executor runs them one after the other instead."""
-    P, S = len(orders), 1 + max(op.stage for order in orders for op in order)
-    dur = lambda op: cost.get((op.kind, op.stage), cost.get(op.kind))  # noqa: E731
-    done, out, pos, free = {}, [[] for _ in range(P)], [0] * P, [0.0] * P
-    while any(pos[r] < len(orders[r]) for r in range(P)):
-        progressed = False
-        for r in range(P):
-            while pos[r] < len(orders[r]):
-                op, nxt = orders[r][pos[r]], orders[r][pos[r] + 1] if pos[r] + 1 < len(orders[r]) else None
-                unit = [op, nxt] if (paired and op.kind == "F" and nxt is not None and nxt.kind == "B"
-                                     and nxt.stage != op.stage) else [op]
-                deps = [message_in(o, S) for o in unit]
-                deps = [("B" if k[0] == "grad" else "F", k[1] + (k[0] == "grad") - (k[0] == "act"), k[2])
-                        for k in deps if k is not None]
-                if any(d not in done for d in deps):
-                    break
-                start = max([free[r]] + [done[d] for d in deps])
-                t = start
-                for o in unit:
-                    out[r].append((o, t, t + dur(o)))
-                    t += dur(o)
-                if len(unit) == 2 and "F&B" in cost:
-                    t = start + cost["F&B"]
-                    out[r][-2:] = [(unit[0], start, start + cost["F&B"] / 2), (unit[1], start + cost["F&B"] / 2, t)]
-                free[r] = t
-                for o in unit:
-                    done[("B" if o.kind == "I" else o.kind, o.stage, o.mb)] = t
-                pos[r], progressed = pos[r] + len(unit), True
-        if not progressed:
-            stuck = [o[p] if p < len(o) else None for o, p in zip(orders, pos)]
-            raise RuntimeError(f"the op lists deadlock (P={P}, at ops {stuck})")
-    return out
-
-
-def bubble_fraction(ranks):
-    """Mean over ranks of the idle share of the makespan, from [(op, start, end)] per rank."""
-    t0, t1 = min(a for r in ranks for _, a, _ in r), max(b for r in ranks for _, _, b in r)
-    return sum((t1 - t0) - sum(b - a for _, a, b in r) for r in ranks) / len(ranks) / (t1 - t0)
-
-
-# The nominal op costs the communication plan is laid out with (the ZB paper's F = I = W; any costs give
-# a deadlock-free plan, these keep receives posted close to when the data really arrives)
-PLAN_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-
-
-def plan_messages(orders, owner):
-    """The point-to-point plan of one step, a pure function of every rank's op list: for rank r, the
-    batch_isend_irecv batches to issue, batch i just before op i and the last after the last op, each a
-    list of ("send" | "recv", peer, key).
-
-    NCCL's contract (not gloo's): a send may block until the peer has posted the matching receive, the
-    n-th send a->b matches the n-th receive b<-a whatever the tags, and a rank's batches run one after
-    the other on one stream. Sending each op's output as soon as it exists and receiving each input only
-    when it is needed (the obvious plan) can deadlock: rank 0 blocks in a send that rank 1 receives only
-    after a batch of its own whose send rank 0 receives later. So the plan is laid out on one shared
-    clock, a simulation of the op lists (PLAN_COST): a message leaves with the batch right after the op
-    that made it (at the op's end time t), and the receiver posts its receive in its first batch at or
-    after t, which is never later than the batch before the op that needs it. The intuition: every batch
-    then waits only on batches earlier on that clock, so no cycle can form. The proof is tests/'s
-    exhaustive check of every schedule's plan (P up to 8, M up to 4P, with and without --dp) against
-    a model of NCCL's contract.
-    Receives from one peer are posted in the order it sends (sorted by send time), so the n-th receive
-    is the n-th send, as NCCL matches them. tests/ checks the plan of every schedule against a model of
-    this contract."""
-    spans = simulate(orders, PLAN_COST)
-    S = 1 + max(op.stage for order in orders for op in order)
-    plans = [[[] for _ in range(len(order) + 1)] for order in orders]
-    leaving = []  # (send time, sender, op index, key, receiver)
-    for r, ops in enumerate(spans):
-        for i, (op, _, end) in enumerate(ops):
-            key = message_out(op, S)
-            if key is not None and owner(key[1], key[2]) != r:  # dualpipev's turn stays on its rank
-                dst = owner(key[1], key[2])
-                plans[r][i + 1].append(("send", dst, key))
-                leaving.append((end, r, i, key, dst))
-    for t, src, _, key, dst in sorted(leaving):
-        starts = [a for _, a, _ in spans[dst]] + [float("inf")]  # batch j is posted when op j starts
-        j = next(j for j, a in enumerate(starts) if a >= t)
-        plans[dst][j].append(("recv", src, key))
-    return plans
-
-
-# ----------------------------------------------------------------------------------------------------
-# The executor: runs one rank's op list, moving activations and gradients with batch_isend_irecv
-
-
-class Pipeline:
-    """This rank's stages of GPT-2 and the machinery to run any schedule over them.
-
-    How a step runs (run): before op i, issue batch i of plan_messages' plan (_issue): the sends it
-    lists take their tensors from `outbox`, where the op that made them left them keyed by message
-    (_send), and the receives it lists get fresh buffers, parked in `inbox` under their message key
-    with the work that fills them. An op that needs a message takes it from `inbox` (_take waits for
-    that work only). The receives from one peer sit in the plan in the order that peer sends, because
-    NCCL pairs the n-th send with the n-th receive and ignores tags; the tags (message kind, stage,
-    micro-batch) are for gloo, which matches on them, and make a mismatch impossible to miss. `saved`
-    holds, per (stage, micro-batch), what its backward needs; `deferred` the (input, output gradient)
-    pairs an I leaves for its W."""
-
-    def __init__(self, args, ctx, P, comm):
-        self.args, self.ctx, self.P, self.M, self.comm = args, ctx, P, args.micro_batches, comm
-        self.schedule, self.D = args.schedule, args.dp
-        self.pp_rank, self.replica = ctx.rank % P, ctx.rank // P
-        self.base = self.replica * P  # global rank of this replica's pipeline rank 0
-        self.V = args.virtual_stages
-        self.S = num_stages(self.schedule, P, self.V)
-        model = gpt2.build_model(args)  # the full model from --seed, then keep only this rank's stages
-        self.cfg, self.n_params = model.config, model.num_params()
-        per = self.cfg.n_layer // self.S
-        self.layers = {s: (s * per, (s + 1) * per) for s in range(self.S)}
-        self.my_stages = stages_of(self.schedule, P, self.pp_rank, self.V)
-        self.first, self.last = 0 in self.my_stages, self.S - 1 in self.my_stages
-        keep = {i for s in self.my_stages for i in range(*self.layers[s])}
-        keep_only(model, keep, self.first, self.last)
-        self.model = model.to(ctx.device)
-        self.orders = op_lists(self.schedule, P, self.M, self.V)
-        self.eval_orders = [forward_only(self.schedule, P, self.M, r, self.V) for r in range(P)]
-        self.plan = plan_messages(self.orders, self._owner)  # every message of a step, laid out in advance
-        self.eval_plan = plan_messages(self.eval_orders, self._owner)
-        self._tape = None
-        if any(op.kind == "I" for op in self.orders[self.pp_rank]):  # record matmul/LayerNorm inputs for W
-            for m in self.model.modules():
-                if isinstance(m, (nn.Linear, nn.LayerNorm)):
-                    self._record_inputs(m)
-        if args.compile:  # per block, so the stage cuts (and the I/W recording) stay plain Python
-            for i in sorted(keep):
-                self.model.h[i].compile()
-        # activations and their gradients cross the wire in the run's compute dtype (bf16 on GPUs: half
-        # the bytes); the residual stream they belong to is fp32 (autocast), so receivers cast back
-        self.wire_dtype, self.resid_dtype = ctx.dtype, torch.float32
-        self.timeline = Timeline(ctx.device)
-        self.peak_held = 0
-        self._make_groups()
-        if ctx.world > 1:
-            dist.barrier()  # brings every NCCL communicator up before the first (partial) batch_isend_irecv
-
-    # -- process groups (every rank creates every group, in the same order) ---------------------------
-
-    def _make_groups(self):
-        P, D, r = self.P, self.D, self.ctx.rank
-        # None is the default group: used when a group would span every rank (or only this one)
-        new = lambda ranks: dist.new_group(ranks) if 1 < len(ranks) < self.ctx.world else None
-        self.pp_group = self.grad_group = self.embed_group = None
-        for d in range(D):  # one pipeline per replica: the loss and the grad norm are summed in it
-            g = new(list(range(d * P, (d + 1) * P)))
-            if d == self.replica:
-                self.pp_group = g
-        # ranks holding a copy of the same parameters: the replicas, and in dualpipe the pair r, P-1-r
-        # (DeepSeek-V3 3.2.1: "two copies of the model parameters"); their gradients are summed
-        for p in range(P):
-            pair = sorted({p, P - 1 - p}) if self.schedule == "dualpipe" else [p]
-            if pair[0] != p:
-                continue
-            ranks = sorted(d * P + q for d in range(D) for q in pair)
-            g = new(ranks)
-            if r in ranks:
-                self.grad_group, self.grad_group_size = g, len(ranks)
-        # the tied wte/lm_head when the first and last stage are on different ranks (all but dualpipe(v)): each
-        # keeps a copy and their gradients are summed every step, as Megatron-LM's embedding group does
-        self.tied_split = self.schedule not in ("dualpipe", "dualpipev") and P > 1
-        if self.tied_split:
-            for d in range(D):
-                ends = [d * P, d * P + P - 1]
-                g = new(ends)
-                if r in ends:
-                    self.embed_group = g
-
-    def norm_parameters(self):
-        """The parameters whose gradient this rank adds to the global norm: every parameter exactly once."""
-        if self.schedule == "dualpipe":  # the pair r, P-1-r holds the same stages: the lower rank counts
-            return list(self.model.parameters()) if self.pp_rank < self.P // 2 else []
-        if self.tied_split and self.last:  # the head's copy of wte is counted on the first stage
-            return [p for p in self.model.parameters() if p is not self.model.lm_head.weight]
-        return list(self.model.parameters())
-
-    # -- messages ---------------------------------------------------------------------------------------
-
-    def _owner(self, stage, mb):
-        return stage_owner(self.schedule, self.P, self.M, stage, mb)
-
-    def _tag(self, key):
-        return ((key[0] == "grad") * self.S + key[1]) * self.M + key[2]
-
-    def _send(self, key, tensor):
-        """Queue an op's output for the batch that plan_messages put its send in (the next one)."""
-        if self._owner(key[1], key[2]) == self.pp_rank:  # the turn of the V in dualpipev: stage P-1 feeds P here
-            self.inbox[key] = (tensor.detach(), [])
-            return
-        self.outbox[key] = tensor.detach().to(self.wire_dtype).contiguous()
-
-    def _issue(self, batch):
-        """One planned batch_isend_irecv: the queued sends and the receives the plan posts here."""
-        ops, recvs = [], []
-        for kind, peer, key in batch:
-            if kind == "send":
-                t = self.outbox.pop(key)
-                ops.append(dist.P2POp(dist.isend, t, self.base + peer, tag=self._tag(key)))
-                self.comm.send(t.numel() * t.element_size())
-            else:
-                buf = torch.empty(self.act_shape, dtype=self.wire_dtype, device=self.ctx.device)
-                recvs.append(key)
-                ops.append(dist.P2POp(dist.irecv, buf, self.base + peer, tag=self._tag(key)))
-        if ops:
-            works = dist.batch_isend_irecv(ops)
-            # gloo answers one work per op, NCCL one for the whole (grouped) batch
-            per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
-            n_send = len(ops) - len(recvs)
-            self.sent += [(w, op.tensor) for w, op in zip(per_op[:n_send], ops[:n_send])]
-            for key, op, w in zip(recvs, ops[n_send:], per_op[n_send:]):
-                self.inbox[key] = (op.tensor, w)
-        # a send buffer is dropped as soon as its send is done: the stage output it holds is then freed
-        # (Megatron's deallocate_output_tensor; backward needs only the graph, kept as a GradientEdge)
-        self.sent = [(w, t) for w, t in self.sent if not all(x.is_completed() for x in w)]
-
-    def _take(self, key):
-        tensor, works = self.inbox.pop(key)
-        for w in works:
-            w.wait()
-        return tensor
-
-    # -- compute ----------------------------------------------------------------------------------------
-
-    def _record_inputs(self, module):
-        """Wrap a Linear/LayerNorm so that, inside a forward that will be split into I and W, it writes
-        (module, input, where its output's gradient arrives) on the tape: W needs exactly the input and
-        that gradient. The output itself is not kept (for lm_head it is the B/M x T x V logits). Under
-        --compile the wrapper stays eager (a graph break), so the recording sees real tensors."""
-        forward = module.forward
-
-        @torch.compiler.disable
-        def recorded(x):
-            y = forward(x)
-            if self._tape is not None:
-                self._tape.append((module, x, torch.autograd.graph.get_gradient_edge(y)))
-            return y
-        module.forward = recorded
-
-    def _forward(self, op, xs, ys):
-        s, mb = op.stage, op.mb
-        lo, hi = self.layers[s]
-        tape = [] if (s, mb) in self.split else None
-        self._tape = tape
-        with self.ctx.autocast():
-            if s == 0:
-                h_in, h = None, self.model.embed(xs[mb])  # (B/M, T, C)
-                if tape is not None:
-                    tape.append(("embed", xs[mb], torch.autograd.graph.get_gradient_edge(h)))
-            else:
-                h_in = h = self._take(("act", s, mb)).to(self.resid_dtype).requires_grad_(torch.is_grad_enabled())
-            h = self.model.forward_blocks(h, lo, hi)  # (B/M, T, C)
-            if s == self.S - 1:
-                # loss of a step = mean over micro-batches, so each micro-batch's loss is scaled by 1/M
-                out = self.model.head_loss(h, ys[mb]) * self.scale
-                self.loss_sum += out.detach().float()
-        self._tape = None
-        if s < self.S - 1:
-            self._send(("act", s + 1, mb), h)
-            # backward needs the graph behind h, not h: once sent, h is freed (deallocate_output_tensor)
-            out = torch.autograd.graph.get_gradient_edge(h) if torch.is_grad_enabled() else None
-        if torch.is_grad_enabled():
-            self.saved[(s, mb)] = (h_in, out, tape)
-
-    def _backward(self, op):
-        s, mb = op.stage, op.mb
-        h_in, out, tape = self.saved.pop((s, mb))
-        grad = None if s == self.S - 1 else self._take(("grad", s, mb)).to(self.resid_dtype)
-        if op.kind == "B":
-            torch.autograd.backward(out, grad)
-            g_in = h_in.grad if h_in is not None else None
-        else:
-            # I: the gradient w.r.t. the stage input (needed downstream now) and w.r.t. every matmul's and
-            # LayerNorm's output; autograd skips the weight-gradient matmuls, which W does later
-            inputs = ([h_in] if h_in is not None else []) + [edge for _, _, edge in tape]
-            grads = torch.autograd.grad(out, inputs, grad)
-            g_in = grads[0] if h_in is not None else None
-            self.deferred[(s, mb)] = [(m, x, dy) for (m, x, _), dy in zip(tape, grads[len(grads) - len(tape):])]
-        if s > 0:
-            self._send(("grad", s - 1, mb), g_in)
-
-    def _weight(self, op):
-        """W: the weight gradients of one I, from the recorded inputs x and output gradients dy."""
-        for m, x, dy in self.deferred.pop((op.stage, op.mb)):
-            if m == "embed":  # x are token ids: wte gathers rows, wpe adds over the batch
-                _accumulate(self.model.wte.weight, None, rows=(x.reshape(-1), dy.reshape(-1, dy.size(-1))))
-                _accumulate(self.model.wpe.weight, None, rows=(torch.arange(dy.size(1), device=dy.device), dy.sum(0)))
-                continue
-            dy2 = dy.reshape(-1, dy.size(-1))
-            if isinstance(m, nn.Linear):
-                _accumulate(m.weight, dy2.t() @ x.reshape(-1, x.size(-1)).to(dy2.dtype))
-            else:  # LayerNorm: y = xhat * gamma + beta
-                xhat = F.layer_norm(x.float(), m.normalized_shape, eps=m.eps).reshape(-1, dy.size(-1))
-                _accumulate(m.weight, (dy2.float() * xhat).sum(0))
-            if m.bias is not None:
-                _accumulate(m.bias, dy2.float().sum(0))
-
-    def run(self, x, y, scale, train=True, align=False, timed=True):
-        """Run this rank's op list (training, or evaluation's forwards) and its planned messages on the
-        batch (x, y) -> this rank's part of the loss (sum of scaled micro-batch losses; non-zero only
-        where a last stage lives). timed: record it in the timeline."""
-        orders, plan = (self.orders, self.plan) if train else (self.eval_orders, self.eval_plan)
-        me = self.pp_rank
-        self.split = {(op.stage, op.mb) for op in orders[me] if op.kind == "I"}
-        self.inbox, self.outbox, self.sent, self.saved, self.deferred = {}, {}, [], {}, {}
-        B = x.size(0) // self.M
-        self.act_shape, self.scale = (B, x.size(1), self.cfg.n_embd), scale
-        xs, ys = x.to(self.ctx.device).split(B), y.to(self.ctx.device).split(B)
-        self.loss_sum = torch.zeros((), device=self.ctx.device)
-        if align and self.ctx.world > 1:
-            dist.barrier()  # start the drawn step together, so the ranks' clocks line up in the picture
-        if timed:
-            self.timeline.reset()
-        for op, batch in zip(orders[me], plan[me]):
-            self._issue(batch)  # the previous op's output leaves, receives are posted as planned
-            key = message_in(op, self.S)
-            if key is not None:  # wait before the clock starts: time spent waiting on a peer is bubble, not work
-                self.inbox[key] = (self._take(key), [])
-            with self.timeline.op(op) if timed else contextlib.nullcontext():
-                if op.kind == "F":
-                    self._forward(op, xs, ys)
-                elif op.kind == "W":
-                    self._weight(op)
-                else:
-                    self._backward(op)
-            self.peak_held = max(self.peak_held, len(self.saved.keys() | self.deferred.keys()))
-        self._issue(plan[me][-1])
-        for w in (w for works, _ in self.sent for w in works):
-            w.wait()
-        assert not (self.inbox or self.outbox or self.saved or self.deferred), "schedule left work behind"
-        self.sent = []
-        return self.loss_sum
-
-    # -- gradient synchronisation, norm, loss -----------------------------------------------------------
-
-    def sync_grads(self):
-        params = list(self.model.parameters())
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.tied_split and (self.first or self.last):
-            w = self.model.wte.weight if self.first else self.model.lm_head.weight
-            dist.all_reduce(w.grad, group=self.embed_group)
-            self.comm.all_reduce(w.grad.numel() * w.grad.element_size(), 2)
-        if self.grad_group_size > 1:  # sum over the copies, average over the D replicas
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, group=self.grad_group)
-            self.comm.all_reduce(flat.numel() * flat.element_size(), self.grad_group_size)
-            flat /= self.D
-            for p, g in zip(params, flat.split([p.numel() for p in params])):
-                p.grad.copy_(g.view_as(p))
-
-    def clip_grad_norm(self, max_norm):
-        """torch.nn.utils.clip_grad_norm_ over the whole model, each parameter counted once."""
-        grads = [p.grad for p in self.norm_parameters()]
-        sq = sum((torch.linalg.vector_norm(g.float()).square() for g in grads), torch.zeros((), device=self.ctx.device))
-        if self.P > 1:
-            dist.all_reduce(sq, group=self.pp_group)
-            self.comm.all_reduce(4, self.P)
-        total = sq.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self.model.parameters():
-            p.grad.mul_(coef)
-        return total
-
-    def global_loss(self, loss_sum):
-        if self.ctx.world > 1:  # the last stages hold the losses; the mean over replicas is the step's loss
-            dist.all_reduce(loss_sum)
-            self.comm.all_reduce(4, self.ctx.world)
-        return (loss_sum / self.D).item()
-
-    @torch.no_grad()
-    def evaluate(self, loader, steps):
-        loader.load_state_dict({"shard": 0, "pos": 0})
-        total = torch.zeros((), device=self.ctx.device)
-        for _ in range(steps):
-            x, y = loader.next_batch()
-            total += self.run(x, y, 1.0 / self.M, train=False, timed=False)
-        return self.global_loss(total / steps)
-
-
-def keep_only(model, layers, first, last):
-    """Strip the full model, in place, down to what a rank's stages run: its blocks, the embeddings on
-    the first stage, ln_f and the head on the last (where lm_head still holds the tied wte matrix)."""
-    for i in range(model.config.n_layer):
-        if i not in layers:
-            model.h[i] = nn.Identity()
-    if not first:
-        model.wte, model.wpe = None, None
-    if not last:
-        model.ln_f, model.lm_head = None, None
-    return model
-
-
-def _accumulate(p, g, rows=None):
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    if rows is not None:
-        p.grad.index_add_(0, rows[0], rows[1].to(p.dtype))
-    else:
-        p.grad += g.to(p.dtype)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Training loop (gpt2.train's order: lr, micro-steps, clip, step, zero_grad, check, log, eval)
-
-
-def train(argv=None):
-    args = make_parser().parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    P = check_args(args, world)
-    ctx = gpt2.setup(args)
-    comm = gpt2.CommMeter()
-    pipe = Pipeline(args, ctx, P, comm)
-    train_loader, val_loader = gpt2.make_loaders(args, pipe.replica, args.dp, pipe.cfg.vocab_size)
-    opt = gpt2.make_adamw(gpt2.optimizer_groups(pipe.model, args.weight_decay), args, ctx.device)
-    tokens = args.batch_size * args.seq_len * args.grad_accum * args.dp
-    metrics = gpt2.Metrics(args, ctx, pipe.cfg, pipe.n_params, tokens)
-    profiler = gpt2.Profiler(args, ctx)
-    print0(f"{args.schedule}: P={P} ranks per pipeline x D={args.dp} replicas, {pipe.S} stages of "
-           f"{pipe.cfg.n_layer // pipe.S} blocks, M={args.micro_batches} micro-batches of "
-           f"{args.batch_size // args.micro_batches} | device {ctx.device} {ctx.dtype}")
-    scale = 1.0 / (args.micro_batches * args.grad_accum)
-    for step in range(args.steps):
-        profiler.step(step)
-        metrics.start_step()
-        lr = gpt2.set_lr(opt, step, args)
-        loss_sum = torch.zeros((), device=ctx.device)
-        for _ in range(args.grad_accum):
-            x, y = train_loader.next_batch()
-            loss_sum += pipe.run(x, y, scale, align=step == args.steps - 1)
-        pipe.sync_grads()
-        loss_val = pipe.global_loss(loss_sum)
-        if args.grad_clip > 0:
-            pipe.clip_grad_norm(args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        gpt2.check_finite(loss_val, step)
-        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb())
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            pipe.model.eval()
-            metrics.log_val(step, pipe.evaluate(val_loader, args.eval_steps))
-            pipe.model.train()
-    report(pipe, args)
-    metrics.plot()
-    print0(f"wrote {args.out}/metrics.jsonl, loss.png and schedule.png")
-    return pipe
-
-
-# ====================================================================================================
-# Appendix: measurement (Timeline, bubble report, pictures), argument checks, CLI
-# ====================================================================================================
+PIPELINES = {"gpipe": GPipe, "1f1b": Pipeline, "zbh1": ZBH1, "interleaved": Interleaved, "dualpipe": DualPipe,
+             "dualpipev": DualPipeV}
+SCHEDULE_NAMES = tuple(PIPELINES)
 
 
 class Timeline:
@@ -771,8 +710,103 @@ class Timeline:
         return [(op, ms(a), ms(b)) for op, a, b in self.ops]
 
 
-# ----------------------------------------------------------------------------------------------------
-# Bubble report and the schedule picture
+def build_pipeline(args, ctx, P, comm, cls=None):
+    """The Pipeline subclass of --schedule (or cls), instrumented: every op timed in pipe.timeline (run(...,
+    timed=False) skips it, align=True starts the step together on every rank), the peak number of
+    micro-batches held in pipe.peak_held, and the bytes every send and all-reduce moves counted in comm."""
+    pipe = (cls or PIPELINES[args.schedule])(args, ctx, P)
+    pipe.timeline, pipe.peak_held, pipe.timing = Timeline(ctx.device), 0, False
+    run, compute, issue, all_reduce = pipe.run, pipe.compute, pipe._issue, pipe._all_reduce
+
+    def timed_run(x, y, scale, orders=None, plan=None, align=False, timed=True):
+        pipe.timing = timed and orders is None  # evaluation is not drawn
+        if align and ctx.world > 1:
+            dist.barrier()  # start the drawn step together, so the ranks' clocks line up in the picture
+        if pipe.timing:
+            pipe.timeline.reset()
+        return run(x, y, scale, orders, plan)
+
+    def timed_compute(op, h, xs, ys):  # waiting for the input happened before: it is bubble, not work
+        with pipe.timeline.op(op) if pipe.timing else contextlib.nullcontext():
+            message = compute(op, h, xs, ys)
+        pipe.peak_held = max(pipe.peak_held, len(pipe.saved.keys() | getattr(pipe, "deferred", {}).keys()))
+        return message
+
+    def counted_issue(batch):
+        comm.send(sum(pipe.outbox[key].numel() * pipe.outbox[key].element_size() for kind, _, key in batch
+                      if kind == "send"))
+        issue(batch)
+
+    def counted_all_reduce(tensor, group=None):
+        comm.all_reduce(tensor.numel() * tensor.element_size(), dist.get_world_size(group))
+        all_reduce(tensor, group)
+    pipe.run, pipe.compute, pipe._issue, pipe._all_reduce = timed_run, timed_compute, counted_issue, counted_all_reduce
+    return pipe
+
+
+@torch.no_grad()
+def evaluate(pipe, loader, steps):
+    """Validation loss: forwards only, lower stages first (a topological order in every layout)."""
+    orders = [[Op("F", s, i) for s in sorted(pipe.stages_of(r)) for i in range(pipe.M) if pipe.owner(s, i) == r]
+              for r in range(pipe.P)]
+    plan = plan_messages(orders, pipe.owner)
+    steps = loader.eval_steps or steps  # --val-tokens: the loader knows how many batches
+    loader.load_state_dict({"shard": 0, "pos": 0})
+    total = torch.zeros((), device=pipe.ctx.device)
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        total += pipe.run(x, y, 1.0 / pipe.M, orders, plan)
+    return pipe.global_loss(total / steps)
+
+
+def layout(schedule, P, M=1, V=2):
+    """A Pipeline subclass's layout without a model (for tests/, benches and checks)."""
+    pipe = object.__new__(PIPELINES[schedule])
+    pipe.P, pipe.M, pipe.V = P, M, V
+    return pipe
+
+
+def op_lists(schedule, P, M, V=2):
+    """Every pipeline rank's op list (V, the chunks per rank, is used by interleaved only)."""
+    return [layout(schedule, P, M, V).op_list(r) for r in range(P)]
+
+
+def num_stages(schedule, P, V=2):
+    return layout(schedule, P, 1, V).num_stages()
+
+
+def stage_owner(schedule, P, M, stage, mb):
+    return layout(schedule, P, M).owner(stage, mb)
+
+
+def stages_of(schedule, P, rank, V=2):
+    return layout(schedule, P, 1, V).stages_of(rank)
+
+
+def forward_only(schedule, P, M, rank, V=2):
+    pipe = layout(schedule, P, M, V)
+    return [Op("F", s, i) for s in sorted(pipe.stages_of(rank)) for i in range(M) if pipe.owner(s, i) == rank]
+
+
+def plan_table(P=2, M=4):
+    """The docstring's 1F1B plan: per op index, each rank's batch (sends, receives), then its op."""
+    orders = [one_f_one_b(P, M, r) for r in range(P)]
+    plans = plan_messages(orders, lambda stage, mb: stage)
+    rows = []
+    for i in range(len(orders[0]) + 1):
+        cells = []
+        for r in range(P):
+            msgs = ", ".join(f"{kind} {key[0][0]}{key[2]}" for kind, _, key in plans[r][i])
+            op = f"{orders[r][i].kind}{orders[r][i].mb}" if i < len(orders[r]) else ""
+            cells.append(" | ".join(c for c in (msgs, op) if c))
+        rows.append(f"{i if i < len(orders[0]) else 'end':>5}  " + "".join(f"{c:29s}" for c in cells).rstrip())
+    return rows
+
+
+def bubble_fraction(ranks):
+    """Mean over ranks of the idle share of the makespan, from [(op, start, end)] per rank."""
+    t0, t1 = min(a for r in ranks for _, a, _ in r), max(b for r in ranks for _, _, b in r)
+    return sum((t1 - t0) - sum(b - a for _, a, b in r) for r in ranks) / len(ranks) / (t1 - t0)
 
 
 def bubble_stats(name, P, M, ranks, V=2):
@@ -805,7 +839,7 @@ def bubble_stats(name, P, M, ranks, V=2):
     st = {"bubble": bubble, "idle_ms": bubble * step, "step_ms": step, "closed": closed, "op_ms": ms,
           "simulated": bubble_fraction(simulate(orders, per_stage))}
     if name in ("dualpipe", "dualpipev"):
-        st["simulated_paired"] = bubble_fraction(simulate(orders, per_stage, paired=True))
+        st["simulated_paired"] = bubble_fraction(simulate_paired(orders, per_stage))
     return st
 
 
@@ -822,7 +856,7 @@ def report(pipe, args):
         return None
     P, M, name = pipe.P, pipe.M, args.schedule
     ranks = [[(Op(*op), a, b) for op, a, b in g["spans"]] for g in gathered[:P]]  # replica 0
-    st = bubble_stats(name, P, M, ranks, pipe.V)
+    st = bubble_stats(name, P, M, ranks, getattr(pipe, "V", 2))
     st.update(schedule=name, P=P, M=M, peak_held=[g["peak_held"] for g in gathered[:P]],
               spans=[g["spans"] for g in gathered])
     paired = (f" | simulated as DeepSeek runs it (F&B pairs as one unit) {st['simulated_paired']:.3f}"
@@ -880,9 +914,6 @@ def draw_schedule(ranks, path, title, pale):
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-# ----------------------------------------------------------------------------------------------------
-# Checks that run before the first collective (bad input -> a clear error, never a hang)
 
 
 def check_args(args, world):

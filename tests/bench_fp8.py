@@ -23,7 +23,8 @@ import time
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in sys.path:  # under pytest --impl DIR, DIR stays first
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fp8  # noqa: E402
 import gpt2  # noqa: E402
 
@@ -340,7 +341,10 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
             parent, attr = name.rsplit(".", 1)
             setattr(model.get_submodule(parent), attr, linear)
         if fmt:
-            fp8.convert_to_fp8(model, fmt, fp8.NVFP4_RECIPE if fmt == "nvfp4" else ())
+            if fmt == "deepseek":
+                fp8.convert_to_fp8(model)
+            else:
+                fp8.convert_to_block_format(model, fmt, fp8.NVFP4_RECIPE if fmt == "nvfp4" else ())
         comm = gpt2.CommMeter()
         idx = torch.randint(0, model.config.vocab_size, (1, 32))
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in sys.path:  # under pytest --impl DIR, DIR stays first
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpt2  # noqa: E402
 import moe_ep  # noqa: E402
 
@@ -57,8 +58,9 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024, probe_tokens=128) -> lis
         args = moe_ep.make_parser().parse_args(flags + ["--seq-len", str(probe_tokens)])
         moe_ep.check_args(args, world)
         ep_group, expert_dp_group = moe_ep.make_groups(0, world, world)
-        a2a, meter = moe_ep.A2AMeter(), gpt2.CommMeter()
-        model = moe_ep.build_moe_model(args, 0, ep_group, a2a)
+        a2a, meter = moe_ep.dist.a2a, moe_ep.dist.comm  # moe_ep's meters around every collective it calls
+        a2a.take_mb(), meter.take_mb()
+        model = moe_ep.build_moe_model(args, 0, ep_group, moe_ep.layer_class(args))
         cfg, moes = model.config, [b.mlp for b in model.h]
         experts = [p for m in moes for p in m.experts.parameters()]
         dense = [p for p in model.parameters() if id(p) not in {id(e) for e in experts}]
@@ -77,11 +79,12 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024, probe_tokens=128) -> lis
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(idx, idx)[1]
             if backward:
-                aux = moe_ep.balance_loss(moes, moe_ep.global_counts(moes, world, meter), args)
+                counts = moe_ep.global_counts(moes, world)
+                aux = sum(m.balance_loss(c, args) for m, c in zip(moes, counts))
                 (loss + aux).backward()
-                moe_ep.all_reduce_grads(dense, None, world, world, meter)
-                moe_ep.all_reduce_grads(experts, expert_dp_group, 1, world, meter)
-                moe_ep.clip_global_grad_norm(dense, experts, args.grad_clip, ep_group, world, meter)
+                moe_ep.all_reduce_grads(dense, None, world, world)
+                moe_ep.all_reduce_grads(experts, expert_dp_group, 1, world)
+                moe_ep.clip_global_grad_norm(dense, experts, args.grad_clip, ep_group, world)
             return sum(seen.values())
 
         # params per rank: GPT-2 (V*D + T*D + L*(12D^2 + 13D) + 2D) with each MLP (8D^2 + 5D) replaced by E/ep
@@ -165,8 +168,9 @@ def time_options(world, rank, device, dtype, a, iters=5):
                      ("--shared-expert --overlap-shared", dict(shared_expert=True, overlap_shared=True))):
         args = ap.Namespace(**{**dict(experts=a.experts, ep=world, top_k=a.top_k, gate="softmax", capacity_factor=0.0,
                                       seed=0, shared_expert=False), **kw})
-        meter = moe_ep.A2AMeter(sync=True)
-        layer = moe_ep.MoE(cfg, args, 0, gpt2.GPT(cfg).init_weights, rank, dist.group.WORLD, meter).to(device, dtype).train()
+        meter = moe_ep.dist.a2a
+        meter.sync = True
+        layer = moe_ep.layer_class(args)(cfg, args, 0, gpt2.GPT(cfg).init_weights, rank, dist.group.WORLD).to(device, dtype).train()
         times, waits, mbs = [], [], []
         for i in range(iters + 2):
             x = h.clone().requires_grad_()
@@ -215,8 +219,8 @@ def main():
     dist.all_to_all_single(recv, send)
     send, recv = send.tolist(), recv.tolist()
     rows = torch.randn(a.rows, a.width, generator=g).to(device, dtype)
-    group, meter = dist.group.WORLD, moe_ep.A2AMeter()
-    ours = lambda x, s, r: moe_ep.AllToAll.apply(x, s, r, group, meter)
+    group = dist.group.WORLD
+    ours = lambda x, s, r: moe_ep.AllToAll.apply(x, s, r, group)
     theirs = lambda x, s, r: funcol.all_to_all_single_autograd(x, r, s, group)
     t_ours, y1, g1 = time_a2a(ours, rows, send, recv, 10, device)
     t_theirs, y2, g2 = time_a2a(theirs, rows, send, recv, 10, device)

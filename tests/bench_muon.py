@@ -32,7 +32,8 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in sys.path:  # under pytest --impl DIR, DIR stays first
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpt2  # noqa: E402
 import muon  # noqa: E402
 
@@ -60,7 +61,7 @@ def bench(args):
     keller = block_matrices(args.n_layer, args.n_embd, device)
     comm = gpt2.CommMeter()
     opt = muon.Muon(ours, lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16, rank=rank, world=world, comm=comm)
-    opt_keller = muon.Muon(keller, lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16, rank=rank, world=world, comm=comm)
+    opt_keller = KellerMuon(keller, rank, world, comm)
     ref = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, adjust_lr_fn="original")
 
     def step_ours():
@@ -83,15 +84,16 @@ def bench(args):
     def step_keller():
         for p, gr in zip(keller, grads):
             p.grad = gr
-        step_all_reduce_then_own(opt_keller, world, comm)
+        all_reduce_all(keller, world, comm)
+        opt_keller.step()
 
     f, S_pad = (world - 1) / world, world * opt.slab * 4
-    closed = {"torch": 2 * f * n_bytes, "keller": 3 * f * S_pad, "ours": 2 * f * S_pad}
+    closed = {"torch": 2 * f * n_bytes, "keller": 3 * f * n_bytes, "ours": 2 * f * S_pad}
     rows = []
     own_mom = sum(b.numel() for b in opt.momentum_buf.values()) * 4
     for name, key, fn, n_ns, mom in (("torch.optim.Muon + all-reduce", "torch", step_torch, len(theirs), n_bytes),
                                      ("KellerJordan/Muon: all-reduce / own / all-gather", "keller", step_keller,
-                                      len(opt_keller.mine), own_mom),
+                                      len(opt_keller.mine), _mb(opt_keller.momentum_buf.values()) * 1e6),
                                      ("ours: reduce-scatter / own / all-gather", "ours", step_ours, len(opt.mine), own_mom)):
         times = []
         for i in range(args.warmup + args.iters):
@@ -114,22 +116,55 @@ def bench(args):
         print("|---|---|---|---|---|---|")
         for name, ms, n_ns, mb, mb_closed, mom in rows:
             print(f"| {name} | {ms:.1f} | {n_ns} | {mb:.3f} | {mb_closed:.3f} | {mom:.2f} |")
-        print(f"closed forms: 2(N-1)/N x S (torch), 3(N-1)/N x S_padded (KellerJordan/Muon), 2(N-1)/N x S_padded (ours), "
+        print(f"closed forms: 2(N-1)/N x S (torch), 3(N-1)/N x S (KellerJordan/Muon, no padding), 2(N-1)/N x S_padded (ours), "
               f"S = {n_bytes / 1e6:.3f} MB, S_padded = {S_pad / 1e6:.3f} MB")
         print(f"speedup {rows[0][1] / rows[2][1]:.2f}x | max |param ours - torch| after {args.warmup + args.iters} steps: "
               f"{diff:.2e} (params up to {scale:.2e})")
 
 
-def step_all_reduce_then_own(opt, world, comm):
-    """KellerJordan/Muon's distributed step behind DDP, for its bytes: the gradients all-reduced (every rank
-    gets every matrix's gradient), each rank orthogonalises the matrices it owns, then the all-gather."""
-    for i, p in enumerate(opt.params):
-        opt._view(opt.flat, i, opt.owner[i] * opt.slab).copy_(p.grad)
-    dist.all_reduce(opt.flat)
-    comm.all_reduce(opt.flat.numel() * opt.flat.element_size(), world)
-    if world > 1:
-        opt.own.copy_(opt.flat[opt.rank * opt.slab:(opt.rank + 1) * opt.slab] / world)
-    opt.step()
+class KellerMuon:
+    """KellerJordan/Muon's distributed step behind DDP, for its bytes and time: the gradients arrive
+    all-reduced (every rank gets every matrix's gradient); the matrices, sorted by size, are dealt out
+    round-robin in rounds of `world`; in each round rank r updates the r-th and the round is all-gathered
+    (unequal shapes: one broadcast per matrix, the same bytes). No slabs, so no padding: f x S."""
+
+    def __init__(self, params, rank, world, comm, lr=0.02, weight_decay=0.1, momentum=0.95):
+        self.params = sorted(params, key=lambda p: tuple(p.shape), reverse=True)
+        self.rank, self.world, self.comm = rank, world, comm
+        self.lr, self.weight_decay, self.momentum = lr, weight_decay, momentum
+        self.mine = self.params[rank::world]
+        self.momentum_buf = {id(p): torch.zeros_like(p) for p in self.mine}
+
+    @torch.no_grad()
+    def step(self):
+        for base in range(0, len(self.params), self.world):
+            chunk = self.params[base:base + self.world]
+            if self.rank < len(chunk):
+                p = chunk[self.rank]
+                buf = self.momentum_buf[id(p)]
+                buf.lerp_(p.grad, 1 - self.momentum)
+                o = muon.newton_schulz(p.grad.lerp(buf, self.momentum), 5, torch.bfloat16)
+                p.mul_(1 - self.lr * self.weight_decay)
+                p.add_(o, alpha=-self.lr * muon.update_scale(*p.shape, "original"))
+            if self.world > 1:
+                if all(q.shape == chunk[0].shape for q in chunk) and len(chunk) == self.world:
+                    dist.all_gather(list(chunk), chunk[self.rank])
+                else:
+                    for r, q in enumerate(chunk):
+                        dist.broadcast(q, src=r)
+                self.comm.all_gather(sum(q.numel() * q.element_size() for q in chunk), self.world)
+
+
+def all_reduce_all(params, world, comm):
+    """DDP's gradient all-reduce, one flat buffer of every gradient (averaged)."""
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    comm.all_reduce(flat.numel() * flat.element_size(), world)
+    flat /= world
+    pos = 0
+    for p in params:
+        p.grad = flat[pos: pos + p.numel()].view_as(p)
+        pos += p.numel()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -175,15 +210,14 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024):
                 model = gpt2.GPT(gpt2.model_config(args))
             m, parts, rest = muon.split_params(model, "muon")
             comm = gpt2.CommMeter()
-            opt = muon.Muon(m, parts, gather_dtype=gather_dtype, rank=0, world=world, comm=comm)
+            opt = (muon.Bf16Gather if gather_dtype == torch.bfloat16 else muon.Muon)(m, parts, rank=0, world=world, comm=comm)
             adamw = torch.optim.AdamW(rest, lr=1e-3)
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
-            if keller:  # its all-reduce covers the AdamW parameters too: one all-reduce for everything
-                flat = torch.zeros(sum(p.numel() for p in rest) + 1, device="meta")
-                dist.all_reduce(flat)
-                comm.all_reduce(flat.numel() * 4, world)
-                step_all_reduce_then_own(opt, world, comm)
+            if keller:  # DDP's all-reduce of every gradient, then its own rounds of all-gathers (no slabs)
+                km = KellerMuon(m, 0, world, comm)
+                all_reduce_all(list(model.parameters()), world, comm)
+                km.step()
             else:
                 opt.reduce_scatter_grads()
                 muon.all_reduce_grads(rest, torch.zeros((), device="meta"), world, comm)
@@ -194,12 +228,13 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024):
             n, n_adamw, f = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in rest), (world - 1) / world
             S, S_pad = 4 * sum(p.numel() for p in m), 4 * world * opt.slab  # Muon matrices' fp32 bytes, and as sent
             if keller:
-                closed = 2 * f * 4 * (n_adamw + 1) + 2 * f * S_pad + f * S_pad
+                closed = 2 * f * 4 * n + f * S
             else:
                 closed = 2 * f * 4 * (n_adamw + 1) + f * S_pad + f * S_pad * (2 if gather_dtype == torch.bfloat16 else 4) / 4 + 2 * f * 4
-            optim = [t for st in adamw.state.values() for t in st.values() if t.dim() > 0] + list(opt.momentum_buf.values())
-            buffers = {id(t): t for t in (opt.flat, opt.own, opt.send, opt.recv)}.values()
-            closed_mem = 4 * n + 4 * n + 8 * n_adamw + 4 * sum(m[i].numel() for i in opt.mine)
+            momentum = list((km if keller else opt).momentum_buf.values())
+            optim = [t for st in adamw.state.values() for t in st.values() if t.dim() > 0] + momentum
+            buffers = [] if keller else {id(t): t for t in (opt.flat, opt.own, opt.send, opt.recv)}.values()
+            closed_mem = 4 * n + 4 * n + 8 * n_adamw + 4 * sum(t.numel() for t in momentum)
             rows.append({"setup": setup, "comm_MB": comm_mb, "comm_MB_closed": closed / 1e6,
                          "params_MB": _mb(model.parameters()), "grads_MB": _mb(p.grad for p in model.parameters()),
                          "optim_MB": _mb(optim), "act_MB": act, "mem_MB_closed": closed_mem / 1e6,

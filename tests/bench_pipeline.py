@@ -34,7 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in sys.path:  # under pytest --impl DIR, DIR stays first
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpt2  # noqa: E402
 import pipeline as pl  # noqa: E402
 from test_pipeline import TorchStage  # noqa: E402
@@ -55,33 +56,36 @@ def memory_now(device):
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class Before(pl.Pipeline):
-    """pipeline.py as it was before its memory hygiene: every stage output it sends stays referenced until
+def before(cls):
+    """cls as pipeline.py was before its memory hygiene: every stage output it sends stays referenced until
     the end of the step, the I/W tape keeps each matmul's output (the logits among them), messages are fp32."""
+    class Before(cls):
+        def __init__(self, *a):
+            self.kept = []
+            super().__init__(*a)
+            self.wire_dtype = torch.float32
 
-    def __init__(self, *a):
-        super().__init__(*a)
-        self.wire_dtype, self.kept = torch.float32, []
+        def send(self, message, batch):
+            if message is not None:
+                self.kept.append(message[1])
+            super().send(message, batch)
 
-    def _send(self, key, tensor):
-        self.kept.append(tensor)
-        super()._send(key, tensor)
+        def _record_inputs(self, module):
+            super()._record_inputs(module)
+            recorded = module.forward
 
-    def _record_inputs(self, module):
-        super()._record_inputs(module)
-        recorded = module.forward
+            def keep_output(x):
+                y = recorded(x)
+                if self._tape is not None:
+                    self.kept.append(y)
+                return y
+            module.forward = keep_output
 
-        def keep_output(x):
-            y = recorded(x)
-            if self._tape is not None:
-                self.kept.append(y)
-            return y
-        module.forward = keep_output
-
-    def run(self, *a, **k):
-        out = super().run(*a, **k)
-        self.kept = []
-        return out
+        def run(self, *a, **k):
+            out = super().run(*a, **k)
+            self.kept = []
+            return out
+    return Before
 
 
 def w_state_bytes(pipe):
@@ -96,14 +100,15 @@ def w_state_bytes(pipe):
 
 def peak_memory(pipe, x, y, M, device):
     """Run one step, sampling memory after every op; returns (peak above the step's start, peak W state) in MB."""
-    ops = {name: getattr(pipe, name) for name in ("_forward", "_backward", "_weight")}
+    ops = {name: getattr(pipe, name) for name in ("_forward", "_backward", "_input_grad", "_weight") if hasattr(pipe, name)}
     peak, w_peak = [0], [0]
 
     def sampled(fn):
         def run(*a):
-            fn(*a)
+            out = fn(*a)
             peak[0] = max(peak[0], memory_now(device))
             w_peak[0] = max(w_peak[0], w_state_bytes(pipe))
+            return out
         return run
     for name, fn in ops.items():
         setattr(pipe, name, sampled(fn))
@@ -168,8 +173,8 @@ def main():
             continue
         pl.check_args(args, world)
         mem = {"before": (float("nan"), float("nan"))}
-        for kind, cls in (("before", Before), ("now", pl.Pipeline))[args.quick:]:
-            pipe = cls(args, ctx, P, gpt2.CommMeter())
+        for kind, cls in (("before", before(pl.PIPELINES[name])), ("now", pl.PIPELINES[name]))[args.quick:]:
+            pipe = pl.build_pipeline(args, ctx, P, gpt2.CommMeter(), cls)
             peak_memory(pipe, x, y, M, ctx.device)  # warm-up: first-touch allocations
             mem[kind] = peak_memory(pipe, x, y, M, ctx.device)
         peaks = [None] * world
@@ -253,7 +258,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
             "--dtype", "bfloat16", "--out", os.path.join("out", "per_rank_124m")])
         ctx = gpt2.Context(0, world, 0, torch.device("cpu"), torch.bfloat16, True)
         comm = gpt2.CommMeter()
-        pipe = pl.Pipeline(args, ctx, P, comm)
+        pipe = pl.build_pipeline(args, ctx, P, comm)
         params = list(pipe.model.parameters())
         param_ptrs = {p.data_ptr() for p in params}
         param_shapes = {tuple(p.shape) for p in params}  # and their bf16 copies that autocast saves
@@ -266,10 +271,11 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
         pipe.current = None
         forward = pipe._forward
 
-        def counted(op, xs, ys):
+        def counted(op, h, xs, ys):
             pipe.current = (op.stage, op.mb)
-            forward(op, xs, ys)
+            message = forward(op, h, xs, ys)
             pipe.current = None
+            return message
         pipe._forward = counted
         x = torch.randint(0, 50257, (M, T))
         scale = batch_size / M * seq_len / T

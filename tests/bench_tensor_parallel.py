@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in sys.path:  # under pytest --impl DIR, DIR stays first
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpt2  # noqa: E402
 import tensor_parallel as tp  # noqa: E402
 
@@ -84,11 +85,11 @@ def main():
     args.tp = None  # all ranks form one TP group
     args.tp = tp.validate(args, gpt2.model_config(args), world)
     ctx = gpt2.setup(args)
-    grid = tp.make_grid(world, ctx.rank, world, args.sequence_parallel)
+    grid = tp.grid_for(world, ctx.rank, world, args.sequence_parallel)
     models = {"ours": tp.TensorParallelGPT(gpt2.build_model(args).to(ctx.device), grid)}
     grids = {"ours": grid}
     if args.overlap_comm:
-        grids["ours_overlap"] = tp.make_grid(world, ctx.rank, world, args.sequence_parallel, overlap_comm=True)
+        grids["ours_overlap"] = tp.grid_for(world, ctx.rank, world, args.sequence_parallel, overlap_comm=True)
         models["ours_overlap"] = tp.TensorParallelGPT(gpt2.build_model(args).to(ctx.device), grids["ours_overlap"])
     models["dtensor"], pad = dtensor_model(args, ctx, world)
     opts, loaders, times, losses = {}, {}, {k: [] for k in models}, {k: [] for k in models}
@@ -162,7 +163,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024):
     # TP=8 cannot cut GPT-2 124M's 12 heads (validate refuses it): the TP sizes that divide both
     sizes = [t for t in (world, world // 2, world // 4) if t > 1 and cfg.n_head % t == 0 and world % t == 0]
     for tp_size, sp in [(t, sp) for t in sizes for sp in (False, True)]:
-        grid = tp.make_grid(world, 0, tp_size, sp)
+        grid = tp.grid_for(world, 0, tp_size, sp)
         model = tp.TensorParallelGPT(copy.deepcopy(full), grid)
         opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, torch.device("cpu"))
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -1,4 +1,6 @@
-"""Shared test setup: the repo root on sys.path, the offline tiktoken cache, prepared data."""
+"""Shared test setup: the repo root on sys.path, the offline tiktoken cache, prepared data, and
+`pytest --impl DIR`: the technique tests run the technique files found in DIR (a student's copies, see
+tests/exercise.py), the repository's own for the files DIR lacks, in-process imports and launches alike."""
 import os
 import sys
 
@@ -33,3 +35,39 @@ def random_data(tmp_path_factory):
     gpt2.write_shard(os.path.join(out, "train_000001.bin"), rng.integers(0, 50257, 20_000))
     gpt2.write_shard(os.path.join(out, "val_000000.bin"), rng.integers(0, 50257, 5_000))
     return out
+
+
+def pytest_addoption(parser):
+    parser.addoption("--impl", metavar="DIR", help="test the technique files in DIR (your copies) instead of the "
+                     "repository's; files DIR lacks come from the repository")
+
+
+def pytest_configure(config):
+    impl = config.getoption("--impl")
+    if impl:
+        impl = os.path.abspath(impl)
+        if not os.path.isdir(impl):
+            raise pytest.UsageError(f"--impl {impl}: not a directory (give the directory holding your copies)")
+        os.environ["GPT2_IMPL"] = impl  # harness.script() and every launch read it; spawned ranks inherit it
+        sys.path.insert(0, impl)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under --impl, a failing test says which figure differs first and what that usually means."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed or not os.environ.get("GPT2_IMPL"):
+        return
+    import harness
+    from exercise import hint_for
+    lines = harness.first_differences()
+    hint = hint_for(item.module.__name__)
+    if lines or hint:
+        report.sections.append(("what differs", "\n".join(lines + ([f"hint: {hint}"] if hint else []))))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_comparisons():
+    import harness
+    harness.COMPARED.clear()

@@ -13,6 +13,20 @@ import traceback
 from datetime import timedelta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMPARED = []  # (ours, reference) of every curve compared in the running test: a failure shows the first difference
+
+
+def script(name):
+    """The file a launch runs: under `pytest --impl DIR`, DIR/name when DIR has it (a student's copy)."""
+    impl = os.environ.get("GPT2_IMPL")
+    return os.path.join(impl, name) if impl and os.path.exists(os.path.join(impl, name)) else name
+
+
+def launch_env(env=None):
+    """Environment of a launched file: one thread per rank, and the repository importable (gpt2.py) when the
+    file runs from a student's directory."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
 
 
 def free_port():
@@ -63,13 +77,13 @@ def run_distributed(fn, world, *args, timeout=120):
 def run_cli(argv, nproc=1, timeout=300, env=None, check=True):
     """Run `python FILE args` (nproc=1) or `torchrun --nproc_per_node=nproc FILE args` in the repo root.
     Returns the CompletedProcess; read_metrics(out_dir) gives what it logged."""
+    argv = [script(argv[0]), *argv[1:]]
     if nproc == 1:
         cmd = [sys.executable] + argv
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={free_port()}"] + argv
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
@@ -85,5 +99,20 @@ def train_losses(out_dir):
 
 
 def max_rel_diff(a, b):
-    assert len(a) == len(b) and len(a) > 0, (len(a), len(b))
+    """Largest relative difference of two loss curves, a = ours, b = the reference."""
+    assert len(a) == len(b) and len(a) > 0, f"{len(a)} values vs {len(b)} in the reference: did every step run?"
+    COMPARED.append((list(a), list(b)))
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def first_differences(rel=1e-6):
+    """For each curve compared in this test, the first step where ours leaves the reference by more than rel."""
+    lines = []
+    for ours, ref in COMPARED:
+        for i, (x, y) in enumerate(zip(ours, ref)):
+            if abs(x - y) > rel * abs(y):
+                lines.append(f"step {i}: loss {x:.6f} vs reference {y:.6f} (relative {abs(x - y) / abs(y):.1e}); "
+                             f"steps before it agree" if i else f"step {i}: loss {x:.6f} vs reference {y:.6f} "
+                             f"(relative {abs(x - y) / abs(y):.1e}): already the first step differs")
+                break
+    return lines

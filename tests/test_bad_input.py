@@ -19,10 +19,11 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script too
+for _path in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))):
+    if _path not in sys.path:  # run as a script too; under pytest --impl DIR, DIR stays first
+        sys.path.append(_path)
 import gpt2  # noqa: E402
-from harness import ROOT, free_port  # noqa: E402
+from harness import ROOT, free_port, launch_env, script  # noqa: E402
 
 SMALL = ["--seq-len", "32", "--batch-size", "2", "--steps", "2", "--eval-every", "0"]
 W2 = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
@@ -65,6 +66,8 @@ CASES = [
 
 # Each file's own rows (issue 25 and later), one block per file.
 CASES += [  # gpt2
+    ("gpt2", ["--lr", "1e39"], {}, "(--lr)"),
+    ("gpt2", ["--weight-decay", "nan"], {}, "(--weight-decay)"),
 ]
 
 CASES += [  # ddp
@@ -82,6 +85,10 @@ CASES += [  # fsdp2
 ]
 
 CASES += [  # tensor_parallel
+    ("tensor_parallel", ["--tp", "0"], W2, "(--tp)"),
+    ("tensor_parallel", ["--tp", "3"], {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}, "(--tp)"),
+    ("tensor_parallel", ["--tp", "2", "--sequence-parallel", "--seq-len", "31"], W2, "(--sequence-parallel)"),
+    ("tensor_parallel", ["--tp", "2", "--overlap-comm", "--lr", "inf"], W2, "(--lr)"),
 ]
 
 CASES += [  # pipeline
@@ -107,9 +114,27 @@ CASES += [  # moe_ep
 ]
 
 CASES += [  # fp8
+    ("fp8", ["--compare-with", "{tmp}/nowhere"], {}, "(--compare-with)"),
+    ("fp8", ["--compare-with", "{tmp}"], W2, "(--compare-with)"),
+    ("fp8", ["--nvfp4-recipe", "sr"], {}, "(--nvfp4-recipe)"),
+    ("fp8", ["--format", "nvfp4", "--nvfp4-recipe", "hadamard,fast"], {}, "(--nvfp4-recipe)"),
 ]
 
 CASES += [  # muon
+    ("muon", ["--muon-weight-decay", "-0.1"], W2, "(--muon-weight-decay)"),
+    ("muon", ["--muon-weight-decay", "100"], {}, "(--muon-weight-decay)"),  # 1 - 0.02 x 100 < 0: flips the weights
+    ("muon", ["--momentum", "-0.5"], W2, "(--momentum)"),
+    ("muon", ["--momentum", "nan"], {}, "--momentum"),
+    ("muon", ["--muon-lr", "0"], {}, "(--muon-lr)"),
+    ("muon", ["--muon-lr", "inf"], {}, "--muon-lr"),
+    ("muon", ["--momentum-warmup", "-1"], {}, "(--momentum-warmup)"),
+    ("muon", ["--qk-clip", "-1"], W2, "(--qk-clip)"),
+    ("muon", ["--qk-clip", "nan"], {}, "--qk-clip"),
+    ("muon", ["--qk-clip", "50", "--optimizer", "adamw"], {}, "--qk-clip"),
+    ("muon", ["--log-max-logit", "--optimizer", "adamw"], {}, "--log-max-logit"),
+    ("muon", ["--ns-steps", "1000"], {}, "(--ns-steps)"),
+    ("muon", ["--ns-coefficients", "polar_express", "--ns-steps", "6"], {}, "(--ns-steps)"),
+    ("muon", ["--log-max-logit", "--compile"], {}, "--log-max-logit"),
 ]
 
 CASES += [  # checkpoint
@@ -256,12 +281,12 @@ def test_ctrl_c_is_one_line_and_exit_130(random_data, tmp_path):
 
 def test_error_is_printed_once_by_torchrun_and_without_traceback(random_data, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "ddp.py", *SMALL, "--data", random_data, "--out", str(tmp_path), "--lr", "0"]
+           script("ddp.py"), *SMALL, "--data", random_data, "--out", str(tmp_path), "--lr", "0"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env=launch_env())
     ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert proc.returncode != 0 and ours == ["error: --lr is 0.0 (--lr): give a positive learning rate (GPT-2 124M: 6e-4)"]
-    assert 'File "' + os.path.join(ROOT, "ddp.py") not in proc.stderr  # torchrun's own summary may follow
+    assert 'File "' + os.path.join(ROOT, script("ddp.py")) not in proc.stderr  # torchrun's own summary may follow
 
 
 def test_prepare_fineweb_edu_offline_is_one_line(tmp_path, monkeypatch):
@@ -284,7 +309,12 @@ def _start_training(out, data, extra=()):
     cmd = [sys.executable, "gpt2.py", "train", *SMALL[:4], "--steps", "100000", "--eval-every", "0",
            "--data", data, "--out", str(out), *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env=launch_env(), preexec_fn=default_sigint)
+
+
+def default_sigint():
+    """A shell's background job starts with SIGINT ignored, and Python keeps it so: the run must see Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for(pred, seconds, what):
@@ -325,9 +355,9 @@ def test_second_run_in_the_same_out_is_refused_and_a_stale_lock_is_taken(random_
 def test_rank_stops_when_its_launcher_dies(random_data, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-           "ddp.py", *SMALL[:4], "--steps", "100000", "--eval-every", "0", "--data", random_data, "--out", str(out)]
+           script("ddp.py"), *SMALL[:4], "--steps", "100000", "--eval-every", "0", "--data", random_data, "--out", str(out)]
     launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                                env=launch_env(), start_new_session=True)
     try:
         _wait_for(lambda: (out / "metrics.jsonl").exists(), 90, "the first step")
         worker = int((out / "LOCK").read_text().split()[1])

@@ -2,7 +2,9 @@
 shard falls back to the previous checkpoint, SIGKILL mid-save leaves a resumable checkpoint, and a
 torchrun --max-restarts job whose worker dies finishes on the uninterrupted curve. Faults (one process,
 injected by monkeypatching): a locked --ckpt-dir, a read error, corrupt-only, a malformed manifest, a
-changed schedule, a failed background save - each a one-line error or a fallback, no checkpoint lost."""
+changed schedule, a failed background save - each a one-line error or a fallback, no checkpoint lost.
+Issue 25/24/22: a diverged step is never committed (the last finite one is kept), Ctrl-C is one line and resumes
+bit-exact, the snapshot is a copy taken before the next step mutates the state, a lock on another host is kept."""
 import errno
 import json
 import os
@@ -21,7 +23,7 @@ import torch.distributed as dist
 
 import checkpoint
 import gpt2
-from harness import ROOT, free_port, max_rel_diff, read_metrics, run_distributed, train_losses
+from harness import ROOT, free_port, launch_env, max_rel_diff, read_metrics, run_distributed, script, train_losses
 
 STEPS = 20
 
@@ -153,7 +155,8 @@ def test_corrupt_or_malformed_falls_back_and_resharding_2_to_1(straight, shakesp
     assert "resharding: written by 2 ranks, loaded by 1" in out and "resumed from step 10" in out
     ones = [r for r in read_metrics(out_dir) if "loss" in r]
     assert [r["step"] for r in ones] == list(range(10, STEPS))
-    assert max_rel_diff([r["loss"] for r in ones], train_losses(f"{straight}/straight")[10:]) < 1e-5
+    # another world size: not bit-exact (fp32 sums in another order), about 1e-7 (measured 9.8e-8 over steps 10-19)
+    assert max_rel_diff([r["loss"] for r in ones], train_losses(f"{straight}/straight")[10:]) < 2e-7
     # rewritten by 1 rank, older pruned; the corrupt one kept aside, the uncommitted newer one left in place
     assert steps_in(ck) == ["step_000015", "step_000020", "step_000020.corrupt", "step_000025", "step_000030.corrupt"]
     with pytest.raises(ValueError, match="--save-every without a directory"):
@@ -162,10 +165,10 @@ def test_corrupt_or_malformed_falls_back_and_resharding_2_to_1(straight, shakesp
 
 def test_sigkill_while_saving_leaves_a_resumable_checkpoint(straight, shakespeare, tmp_path, capsys):
     ck, port = str(tmp_path / "ck"), free_port()
-    cmd = [sys.executable, "checkpoint.py"] + flags(shakespeare, str(tmp_path / "killed"), 4, "--ckpt-dir", ck, "--save-every", "2")
+    cmd = [sys.executable, script("checkpoint.py")] + flags(shakespeare, str(tmp_path / "killed"), 4, "--ckpt-dir", ck, "--save-every", "2")
     procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                   "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"}) for r in range(2)]
+                              env=launch_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                              "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"})) for r in range(2)]
     def saving():  # a save of step >= 14 has begun (its directory exists) but is not committed yet
         ds = steps_in(ck) if os.path.isdir(ck) else []
         return [d for d in ds if int(d[5:]) >= 14 and not os.path.exists(f"{ck}/{d}/manifest.json")]
@@ -197,9 +200,9 @@ def test_sigkill_while_saving_leaves_a_resumable_checkpoint(straight, shakespear
 def test_torchrun_max_restarts_after_a_worker_dies(straight, shakespeare, tmp_path):
     out_dir = str(tmp_path / "elastic")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           "--monitor-interval=0.1", "checkpoint.py"] + \
+           "--monitor-interval=0.1", script("checkpoint.py")] + \
         flags(shakespeare, out_dir, 4, "--ckpt-dir", str(tmp_path / "ck"), "--save-every", "4", "--fail-at", "13")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see checkpoint.py
+    env = launch_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # see checkpoint.py
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
@@ -245,6 +248,16 @@ def test_a_locked_ckpt_dir_is_refused(shakespeare, tmp_path, capsys):
     assert code == 2 and err == (f"error: {ck} is in use by another run (pid {holder.pid} on {host}) (--ckpt-dir): wait "
                                  f"for it to finish or choose another --ckpt-dir; remove {ck}/LOCK if that run is gone\n")
     assert sorted(os.listdir(ck)) == ["LOCK", "step_000005"] and os.listdir(f"{ck}/step_000005") == []
+    # a lock names its host: on a shared filesystem a pid that is not alive here may be alive on that host, so
+    # the lock is not taken over (issue 22); a dead pid of this host is
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for holder_host, refused in (("node7.cluster", True), (host, False)):
+        with open(f"{ck}/LOCK", "w") as f:
+            f.write(f"{holder_host} {dead.pid}")
+        code, _, err = cli(flags(shakespeare, str(tmp_path / f"out_{refused}"), 8, "--ckpt-dir", ck, "--steps", "1"), capsys)
+        assert (code, err.startswith(f"error: {ck} is in use by another run (pid {dead.pid} on {holder_host})")) == \
+            ((2, True) if refused else (0, False)), err
 
 
 def test_a_read_error_is_retried_then_stops_the_run_with_every_checkpoint_in_place(straight, shakespeare, tmp_path,
@@ -347,7 +360,8 @@ def committed_tensors(d):
     """Every shard of the committed checkpoint in step directory d, read and verified."""
     with open(f"{d}/manifest.json") as f:
         man = json.load(f)
-    return [checkpoint.read_shard(f"{d}/{sh['file']}", sh["bytes"], sh["crc32"])[0] for sh in man["shards"]]
+    return [checkpoint.parse_shard(checkpoint.read_bytes(f"{d}/{sh['file']}"))[0] for sh in man["shards"]
+            if zlib.crc32(checkpoint.read_bytes(f"{d}/{sh['file']}")) == sh["crc32"]]
 
 
 def test_a_diverged_step_is_never_committed_and_the_last_finite_one_is_kept(shakespeare, tmp_path, capsys):
@@ -368,8 +382,9 @@ def test_a_diverged_step_is_never_committed_and_the_last_finite_one_is_kept(shak
 def test_ctrl_c_is_one_line_releases_the_locks_and_resumes_bit_exact(shakespeare, tmp_path, capsys):
     ck, out_dir = str(tmp_path / "ck"), str(tmp_path / "out")
     argv = flags(shakespeare, out_dir, 8, "--ckpt-dir", ck, "--save-every", "2", "--steps", "8")
-    proc = subprocess.Popen([sys.executable, "checkpoint.py", *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen([sys.executable, script("checkpoint.py"), *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=launch_env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a background job ignores it
     try:
         deadline = time.time() + 300
         while not os.path.exists(f"{ck}/step_000002/manifest.json"):  # a checkpoint is committed: training goes on
@@ -398,3 +413,37 @@ def test_ctrl_c_is_one_line_releases_the_locks_and_resumes_bit_exact(shakespeare
     finally:
         torch.set_num_threads(threads)
     assert train_losses(out_dir) == train_losses(str(tmp_path / "straight"))
+
+
+@pytest.mark.parametrize("kind", ["AsyncCheckpointer", "SafeCheckpointer"])  # the core's copy, main()'s pinned one
+def test_the_snapshot_is_a_copy_taken_before_the_next_step(kind, shakespeare, tmp_path, monkeypatch):
+    # the background write of step 2 is held until the optimizer step after it has run: a snapshot that were a
+    # live view of the training state (not a copy) would commit step 3's state under step 2's name
+    updates, at_save = [], {}
+    cls = getattr(checkpoint, kind)
+    snapshot, write, zero_grad = cls.snapshot, checkpoint.write_shard, checkpoint.Zero1.zero_grad
+
+    def record(self, opt):  # the training state at the save: this rank's slice and its two moments, copied here
+        z = self.zero
+        at_save[len(updates)] = {"params": z.flat[z.lo: z.hi].clone()} | {
+            k: torch.cat([opt.state[p][k] for p in z.params]) for k in ("exp_avg", "exp_avg_sq")}
+        return snapshot(self, opt)
+
+    def held(path, tensors, meta):
+        deadline = time.time() + 120
+        while meta["step"] == 2 and len(updates) < 3:  # step 2's update (the third) has changed the state
+            assert time.time() < deadline, "the training thread never reached the next step"
+            time.sleep(0.01)
+        return write(path, tensors, meta)
+
+    monkeypatch.setattr(cls, "snapshot", record)
+    monkeypatch.setattr(checkpoint, "write_shard", held)
+    monkeypatch.setattr(checkpoint.Zero1, "zero_grad", lambda self: (zero_grad(self), updates.append(1)))
+    ck = str(tmp_path / "ck")
+    args = checkpoint.parse_args(flags(shakespeare, str(tmp_path / "out"), 8, "--steps", "4", "--ckpt-dir", ck,
+                                       "--save-every", "2"))
+    checkpoint.train(args, cls)
+    (shard,) = committed_tensors(f"{ck}/step_000002")
+    assert not torch.equal(at_save[2]["params"], at_save[4]["params"])  # the state did move on after the save
+    for k in ("params", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(shard[k], at_save[2][k]), k

@@ -1,7 +1,6 @@
 """fp8.py: per-tile quantization error bounds, tiles vs one scale under outliers, the fp8 GEMM against fp64,
 Fp8Linear's gradients against an fp32 Linear, no inf/nan at extreme magnitudes, and 2-rank data-parallel
 training: --fp8 off equals gpt2.py's single process, --fp8 on ends within 2% of it."""
-import json
 import os
 
 import pytest
@@ -279,22 +278,26 @@ def test_bad_input_fails_before_any_collective(monkeypatch, tmp_path):
         fp8.train(base + ["--n-embd", "66"])
     with pytest.raises(ValueError, match="train"):
         fp8.train(base)
+    # --compare-with: a directory without a finished run, or a run of another length (issue 25)
+    with pytest.raises(ValueError, match=r"cannot be read.*\(--compare-with\)"):
+        fp8.train(base + ["--compare-with", str(tmp_path / "nowhere")])
+    (tmp_path / "short").mkdir()
+    (tmp_path / "short" / "metrics.jsonl").write_text('{"step": 0, "loss": 9.0}\n{"step": 1, "loss": 8.0}\n')
+    with pytest.raises(ValueError, match=r"holds 2 training steps, this run has --steps 3 \(--compare-with\)"):
+        fp8.train(base + ["--steps", "3", "--compare-with", str(tmp_path / "short")])
 
 
 TRAIN = ["--device", "cpu", "--dtype", "float32", "--n-layer", "2", "--n-embd", "64", "--seq-len", "16",
          "--steps", "16", "--warmup", "4", "--lr", "2e-3", "--eval-every", "0"]
 
 
-def read_metrics_file(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
 def _train_off_then_on(rank, world, data, out):
-    """Both modes in one 2-rank process group (one launch); rank 0 returns the final-loss gap."""
-    for mode in ("off", "on"):
-        gap = fp8.train(TRAIN + ["--batch-size", "4", "--data", data, "--out", out, "--fp8", mode])
-    return gap
+    """Both modes in one 2-rank process group (one launch), each in its own --out, the second comparing
+    itself with the first (--compare-with); rank 0 returns the final-loss gap."""
+    base = TRAIN + ["--batch-size", "4", "--data", data]
+    fp8.train(base + ["--out", out + "_off", "--fp8", "off"])
+    torch.distributed.barrier()  # rank 0 has written the last record before any rank reads it
+    return fp8.train(base + ["--out", out + "_on", "--fp8", "on", "--compare-with", out + "_off"])
 
 
 def test_two_rank_training_fp8_vs_baseline_vs_gpt2(shakespeare, tmp_path):
@@ -303,8 +306,7 @@ def test_two_rank_training_fp8_vs_baseline_vs_gpt2(shakespeare, tmp_path):
     gpt2.train(TRAIN + ["--batch-size", "8", "--data", shakespeare, "--out", str(tmp_path / "single")])
 
     single = train_losses(str(tmp_path / "single"))
-    off = [r["loss"] for r in read_metrics_file(os.path.join(out, "metrics_fp8_off.jsonl")) if "loss" in r]
-    on = [r["loss"] for r in read_metrics_file(os.path.join(out, "metrics_fp8_on.jsonl")) if "loss" in r]
+    off, on = train_losses(out + "_off"), train_losses(out + "_on")
     assert len(single) == len(off) == len(on) == 16
     print(f"\noff vs gpt2.py {max_rel_diff(off, single):.2e} | on vs off max {max_rel_diff(on, off):.2e} | "
           f"final {on[-1]:.4f} vs {off[-1]:.4f}, gap {100 * gap:+.3f}%")
@@ -313,10 +315,10 @@ def test_two_rank_training_fp8_vs_baseline_vs_gpt2(shakespeare, tmp_path):
     # fp8 changes every step a little and the end result by under 2%
     assert 1e-6 < max_rel_diff(on, off) and abs(gap) < 0.02 and on[-1] < on[0] - 1.0
     assert gap == pytest.approx((on[-1] - off[-1]) / off[-1], rel=1e-9)
-    assert os.path.getsize(os.path.join(out, "fp8_vs_baseline.png")) > 1000
+    assert os.path.getsize(os.path.join(out + "_on", "fp8_vs_baseline.png")) > 1000
     # bytes: one all-reduce of every fp32 gradient plus the 4-byte loss; a ring sends 2(n-1)/n of them
     n_params = gpt2.build_model(gpt2.make_parser("t").parse_args(TRAIN)).num_params(non_embedding=False)
-    comm = [r["comm_mb"] for r in read_metrics(out) if "comm_mb" in r]
+    comm = [r["comm_mb"] for r in read_metrics(out + "_on") if "comm_mb" in r]
     assert comm == pytest.approx([(4 * n_params + 4) / 1e6] * 16, rel=1e-9)
 
 
@@ -408,8 +410,7 @@ def test_hadamard_keeps_the_product_and_nvfp4_linear_gradients():
     ref = (y1.detach(), x1.grad, lin.weight.grad.clone())
     bounds = {"mxfp8": 0.05, "nvfp4": 0.2}
     for fmt, recipe in (("mxfp8", ()), ("nvfp4", ()), ("nvfp4", ("hadamard",)), ("nvfp4", ("sr",))):
-        f8 = fp8.Fp8Linear.from_linear(lin)
-        f8.fmt, f8.recipe = fmt, recipe
+        f8 = fp8.BlockScaledLinear.from_linear(lin, fmt, recipe)
         lin.weight.grad = None
         x2 = x.clone().requires_grad_()
         y2 = f8(x2)
@@ -417,8 +418,9 @@ def test_hadamard_keeps_the_product_and_nvfp4_linear_gradients():
         errs = [rel_err(u, v) for u, v in zip((y2.detach(), x2.grad, lin.weight.grad), ref)]
         assert 1e-3 < max(errs) < bounds[fmt] and lin.weight.grad.dtype == torch.float32, (fmt, recipe, errs)
     args = gpt2.make_parser("t").parse_args(["--n-layer", "4", "--n-embd", "64", "--seq-len", "16", "--device", "cpu"])
-    model = fp8.convert_to_fp8(gpt2.build_model(args), "nvfp4", fp8.NVFP4_RECIPE)
-    assert [type(b.mlp.c_fc) is fp8.Fp8Linear for b in model.h] == [True, True, True, False]
+    model = fp8.convert_to_block_format(gpt2.build_model(args), "nvfp4", fp8.NVFP4_RECIPE)
+    assert [type(b.mlp.c_fc) is fp8.BlockScaledLinear for b in model.h] == [True, True, True, False]
+    assert model.h[0].attn.c_proj.fmt == "nvfp4" and model.h[0].attn.c_proj.recipe == fp8.NVFP4_RECIPE
 
 
 def test_only_x_scales_are_powers_of_2(monkeypatch):
@@ -491,8 +493,7 @@ def test_nvfp4_recipe_hadamard_and_sr_are_applied():
     x[3::16] *= 30  # one outlier token per 16-token block of wgrad's contraction
 
     def run(recipe, copies=1):
-        f8 = fp8.Fp8Linear.from_linear(lin)
-        f8.fmt, f8.recipe = "nvfp4", recipe
+        f8 = fp8.BlockScaledLinear.from_linear(lin, "nvfp4", recipe)
         lin.weight.grad = None
         xi = x.repeat(copies, 1).requires_grad_()
         y = f8(xi)
@@ -509,3 +510,18 @@ def test_nvfp4_recipe_hadamard_and_sr_are_applied():
     e_rtn, e_sr = rel_err(plain[1], ref_dx), rel_err(sr_mean, ref_dx)
     print(f"sr: dgrad vs dy @ W_q^T, round-to-nearest {e_rtn:.4f} | mean of {R} stochastic draws {e_sr:.4f}")
     assert e_sr < 0.4 * e_rtn
+
+
+def test_demo_per_tensor_vs_1x128(capsys):
+    """`python fp8.py demo`, the first command a reader runs: with no outlier both fp8 scalings lose ~2.6%
+    (e4m3's 3 mantissa bits); at a x1e5 outlier channel one scale per tensor loses ~40% of the other channels,
+    1x128 tiles ~5% (only the tiles that hold the outlier)."""
+    fp8.main(["demo"])
+    out = capsys.readouterr().out
+    rows = {float(line.split("|")[0]): [float(c.strip(" %")) for c in line.split("|")[1:]]
+            for line in out.splitlines()[1:] if line.strip()}
+    print("\n" + out)
+    assert list(rows) == [1.0, 1e2, 1e4, 1e5]
+    tensor, tiles, bf16 = zip(*rows.values())
+    assert abs(tensor[0] / tiles[0] - 1) < 0.1 and 2 < tiles[0] < 3.5 and max(bf16) < 0.5
+    assert tensor[3] > 5 * tiles[3] and tiles[3] < 8 and tensor[2] > 1.5 * tiles[2]

@@ -212,6 +212,7 @@ def test_both_modes_match_single_process_and_fully_shard_2_ranks(baseline, shake
     assert toy["ours"] <= 1e-5 and toy["fully_shard"] <= 1e-5 and toy["all_ranks"] <= 1e-5 and toy["trained"] > 1e-2, toy
     assert toy["ours_unused_kept"] and toy["one_unused_kept"] and toy["units"] == 3 and toy["module"]
     assert toy["with_grad"][0] == toy["with_grad"][1] > 0  # .grad set on the shards when backward ends
+    assert toy["n_parameters"][0] == toy["n_parameters"][1] == 18  # parameters() = one shard per parameter, no more
     # a diverged last update is refused before anything is written (the losses were finite)
     code, err, saved = r["diverged"]
     assert code == 2 and not saved and err.count("\n") == 1, (code, err, saved)
@@ -318,13 +319,14 @@ def toy_vs_one_process_and_fully_shard(rank, world):
     theirs = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
     torch.manual_seed(1)
     init = Toy().state_dict()
-    one = one.state_dict()
+    one_params, one = list(one.parameters()), one.state_dict()
     everywhere_diff = torch.tensor(param_rel_diff(everywhere, one))
     dist.all_reduce(everywhere_diff, op=dist.ReduceOp.MAX)
     if rank != 0:
         return None
     return {"ours": param_rel_diff(ours, one), "fully_shard": param_rel_diff(theirs, one),
             "all_ranks": everywhere_diff.item(), "units": len(fsdp.units), "module": fsdp.module is model,
+            "n_parameters": (len(list(fsdp.parameters())), len(list(one_params))),
             "with_grad": (ours_with_grad, one_with_grad),
             "trained": ((one["emb.weight"] - init["emb.weight"]).norm() / init["emb.weight"].norm()).item(),
             "ours_unused_kept": torch.equal(ours["unused.weight"], init["unused.weight"]),

@@ -51,7 +51,8 @@ def layer_args(**kw):
 
 
 def moe_layer(ep_rank=0, group=None, **kw):
-    return moe_ep.MoE(CFG, layer_args(**kw), 0, gpt2.GPT(CFG).init_weights, ep_rank, group)
+    args = layer_args(**kw)
+    return moe_ep.layer_class(args)(CFG, args, 0, gpt2.GPT(CFG).init_weights, ep_rank, group)
 
 
 # -- single process ---------------------------------------------------------------------------------------
@@ -114,7 +115,7 @@ def test_capacity_drops_exactly_the_overflow():
     N, k, E, cap = 10, 2, 4, 3
     x = torch.randn(N, 5, generator=g)
     idx = torch.tensor([0, 0, 1, 0, 0, 2, 0, 1, 3, 3] + [1, 1, 1, 1, 0, 3, 2, 2, 2, 0])  # choice-major
-    recv, plan = moe_ep.dispatch_tokens(x, idx, E, cap, None, moe_ep.A2AMeter())
+    recv, plan = moe_ep.dispatch_tokens(x, idx, E, cap, None)
     routed = torch.bincount(idx, minlength=E)
     assert plan.routed.tolist() == routed.tolist() == [7, 6, 4, 3]
     assert plan.kept.tolist() == [3, 3, 3, 3] and recv.size(0) == 12  # 8 dropped = sum of max(0, routed - cap)
@@ -135,7 +136,7 @@ def test_capacity_drops_exactly_the_overflow():
     assert cap == 4 and layer.stats["kept"].tolist() == layer.stats["routed"].clamp(max=cap).tolist()
     assert layer.stats["kept"].sum() < layer.stats["routed"].sum() == 32
     _, _, ids, _ = layer.route(h.view(16, 16))
-    _, plan = moe_ep.dispatch_tokens(h.view(16, 16), ids.t().reshape(-1), 4, cap, None, moe_ep.A2AMeter())
+    _, plan = moe_ep.dispatch_tokens(h.view(16, 16), ids.t().reshape(-1), 4, cap, None)
     all_dropped = [t for t in range(16) if t not in set((plan.order % 16).tolist())]
     assert all_dropped and all(out[0, t].abs().max() == 0 for t in all_dropped)
 
@@ -204,7 +205,7 @@ def test_aux_loss_free_bias_balances_a_skewed_router():
     h = torch.randn(4, 64, 16, generator=g) + 0.5
     result = {}
     for balance in ("none", "bias"):
-        layer = moe_layer(experts=8, gate="sigmoid").train()
+        layer = moe_layer(experts=8, gate="sigmoid", balance="bias").train()
         with torch.no_grad():
             layer.router.weight.copy_(torch.randn(8, 16, generator=torch.Generator().manual_seed(0)) * 0.3)
             layer.router.weight[0] += 0.6
@@ -231,16 +232,17 @@ def _ep_checks(rank, world):
     gens = [torch.Generator().manual_seed(10 + r) for r in range(world)]  # every rank knows every rank's data
     xs = [torch.randn(N, D, generator=g) for g in gens]
     idxs = [torch.randint(0, E, (k * N,), generator=g) for g in gens]
-    x, idx, meter = xs[rank], idxs[rank], moe_ep.A2AMeter()
+    x, idx, meter = xs[rank], idxs[rank], moe_ep.dist.a2a  # the appendix's meter around dist.all_to_all_single
+    meter.take_mb()
     # 1) dispatch: I receive, from each source in rank order, its rows for my experts sorted by expert
-    recv, plan = moe_ep.dispatch_tokens(x, idx, E, None, dist.group.WORLD, meter)
+    recv, plan = moe_ep.dispatch_tokens(x, idx, E, None, dist.group.WORLD)
     want = [xs[r][a % N] for r in range(world) for e in (2 * rank, 2 * rank + 1) for a in range(k * N) if idxs[r][a] == e]
     out["recv_ok"] = torch.equal(recv, torch.stack(want))
     remote = int((idx // 2 != rank).sum())  # assignments whose expert lives on another rank
     out["bytes_ok"] = meter.bytes == remote * D * 4 + (world - 1) * 2 * 8  # their rows + the int64 counts
     # 2) combine(dispatch(x)) with identity experts puts every token back in its place, with and without capacity
     for cap in (None, 2):
-        recv, plan = moe_ep.dispatch_tokens(x, idx, E, cap, dist.group.WORLD, meter)
+        recv, plan = moe_ep.dispatch_tokens(x, idx, E, cap, dist.group.WORLD)
         back = moe_ep.combine_tokens(recv, plan)
         kept = set(plan.order.tolist())
         out[f"roundtrip_{cap}"] = all(torch.equal(back[a], x[a % N] if a in kept else torch.zeros(D)) for a in range(k * N))
@@ -253,7 +255,7 @@ def _ep_checks(rank, world):
     ws = [torch.randn(sum(splits[s][d] for s in range(world)), D, generator=g) for d, g in enumerate(gens)]
     recv_splits = [splits[s][rank] for s in range(world)]
     mine = rows[rank].clone().requires_grad_()
-    y = moe_ep.AllToAll.apply(mine, splits[rank], recv_splits, dist.group.WORLD, meter)
+    y = moe_ep.AllToAll.apply(mine, splits[rank], recv_splits, dist.group.WORLD)
     (y * ws[rank]).sum().backward()
     ref_in = [r.clone().requires_grad_() for r in rows]
     chunks = [list(r.split(s)) for r, s in zip(ref_in, splits)]
@@ -361,6 +363,7 @@ def _deepseek_checks(rank, world):
     hs = [torch.randn(2, 8, 16, generator=g) for g in gens]
 
     def pair(**kw):
+        moe_ep.dist.a2a.take_mb()  # the bytes of this pair's EP layer only (the full layer sends nothing)
         full = moe_layer(experts=E, **{k: v for k, v in kw.items() if k in ("route_groups", "groups_per_token",
                                                                              "seq_aux_coef", "shared_expert")}).train()
         ep_layer = moe_layer(experts=E, ep=world, ep_rank=rank, group=dist.group.WORLD, **kw).train()
@@ -369,7 +372,7 @@ def _deepseek_checks(rank, world):
         y = ep_layer(hs[rank].clone().requires_grad_())  # as in a model: the input's gradient retraces the dispatch
         (y.square().sum() + ep_layer.stats.get("seq_aux", 0) / world).backward()  # the ranks' mean = the global one
         errs = []
-        for mine, theirs in ((ep_layer.router, full.router), (ep_layer.shared, full.shared)):
+        for mine, theirs in ((ep_layer.router, full.router), (getattr(ep_layer, "shared", None), getattr(full, "shared", None))):
             for p, q in zip(mine.parameters() if mine else [], theirs.parameters() if theirs else []):
                 dist.all_reduce(p.grad)  # data-parallel parameters: the sum over ranks is the global batch
                 errs.append((p.grad - q.grad).abs().max().item())
@@ -381,7 +384,7 @@ def _deepseek_checks(rank, world):
                      ("limited", dict(route_groups=world, groups_per_token=1, dispatch="rank")), ("seq_aux", dict(seq_aux_coef=1.0)),
                      ("shared", dict(shared_expert=True)), ("overlap", dict(shared_expert=True, overlap_shared=True))):
         out_err, grad_err, layer = pair(**kw)
-        out[name] = (out_err, grad_err, layer.meter.bytes, moe_ep.a2a_bytes_closed([layer], world, False))
+        out[name] = (out_err, grad_err, moe_ep.dist.a2a.bytes, moe_ep.a2a_bytes_closed([layer], world, False))
         if name == "limited":  # every token's experts on one rank
             ranks = layer.route(torch.cat(hs).view(-1, 16))[2] // 2
             out["one_rank_per_token"] = bool((ranks == ranks[:, :1]).all())
@@ -424,6 +427,11 @@ def test_two_ranks_deepseek_options_bf16_compile(bigram_data, tmp_path):
     assert max_rel_diff(loss(opt_ref), loss(unlimited)) > 1e-5, (loss(opt_ref), loss(unlimited))
     load = lambda recs: [r["expert_load"] for r in recs if "loss" in r]
     assert load(opt) == load(opt_ref) != load(unlimited)  # EP=2 routes token for token as one rank, not as unlimited
+    # model.pt keeps the groups: the loaded model (sampling) routes as training did
+    layer = moe_ep.load_moe(str(tmp_path / "opt" / "model.pt")).h[0].mlp
+    assert type(layer) is moe_ep.DeepSeekMoE and (layer.route_groups, layer.groups_per_token) == (2, 1)
+    groups = layer.route(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)))[2] // 2
+    assert (groups == groups[:, :1]).all()  # both of a token's experts from one group
     assert all(r["a2a_mb"] == r["a2a_mb_closed"] for r in opt if "loss" in r)
     print("bf16 EP=2 vs one rank, max rel diff", max_rel_diff(loss(ep2), loss(ref)))
     assert len(loss(ref)) == 2 and max_rel_diff(loss(ep2), loss(ref)) <= 1e-4, (loss(ep2), loss(ref))

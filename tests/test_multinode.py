@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from harness import ROOT, free_port, max_rel_diff, read_metrics, run_cli, train_losses
+from harness import ROOT, free_port, launch_env, max_rel_diff, read_metrics, run_cli, script, train_losses
 
 CFG = ["--model", "tiny", "--n-layer", "4", "--n-head", "2", "--n-embd", "32", "--seq-len", "16", "--device", "cpu",
        "--dtype", "float32", "--eval-every", "0", "--steps", "4", "--warmup", "1", "--lr", "3e-3"]
@@ -37,10 +37,10 @@ def launch_node(node_rank, port, argv, out):
     """One node's launcher, as README's 'Several machines' gives it (the head node's address: localhost)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
            "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-           "--rdzv-id", "test", *argv]
+           "--rdzv-id", "test", script(argv[0]), *argv[1:]]
     log = open(os.path.join(out, f"node{node_rank}.log"), "w")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env=launch_env())
 
 
 def launch_two_nodes(argv, tmp):

@@ -98,9 +98,21 @@ def test_schedule_definitions():
     # interleaved: Megatron's order, chunk c of rank r is stage c*P + r, groups of P micro-batches
     assert [tuple(o) for o in pl.interleaved(2, 4, 0, 2)[:8]] == [
         ("F", 0, 0), ("F", 0, 1), ("F", 2, 0), ("F", 2, 1), ("F", 0, 2), ("B", 2, 0), ("F", 0, 3), ("B", 2, 1)]
-    for name in pl.SCHEDULES:
+    for name in pl.SCHEDULE_NAMES:
         for P, M in ((2, 4), (4, 8), (4, 12)):
             check_well_formed(name, P, M)
+
+
+def test_core_first_layout():
+    """The layout every technique file keeps: a docstring of at most 40 lines, the core within 350 lines of the
+    top, then the two banners in order; no code above the first names an extension (its class, flag, schedule)."""
+    lines = open(pl.__file__).read().splitlines()
+    beyond, appendix = lines.index("# ---- Beyond the core ----"), lines.index("# ---- Appendix ----")
+    doc_end = next(i for i in range(1, len(lines)) if '"""' in lines[i])
+    assert doc_end + 1 <= 40 and beyond + 1 <= 350 and beyond < appendix, (doc_end + 1, beyond + 1, appendix + 1)
+    core = "\n".join(lines[doc_end + 1:beyond]).lower()
+    for word in ("virtual", "zbh1", "interleav", "dualpipe", "splitbackward", "deferred", "paired", "tape"):
+        assert word not in core, word
 
 
 def idle_per_rank(spans):
@@ -124,16 +136,19 @@ def test_bubbles_by_simulation():
         for name, n in (("dualpipe", P / 2 - 1), ("dualpipev", P - 1)):
             if M < 2 * P:
                 continue
-            assert idle_per_rank(pl.simulate(pl.op_lists(name, P, M), cost, paired=True)) == [n * (3 + 2 - 3)] * P
+            assert idle_per_rank(pl.simulate_paired(pl.op_lists(name, P, M), cost)) == [n * (3 + 2 - 3)] * P
             assert idle_per_rank(pl.simulate(pl.op_lists(name, P, M), cost)) == [n * (3 + 2 - 3) / 2] * P
     assert pl.bubble_fraction(pl.simulate(pl.op_lists("dualpipe", 2, 4), cost)) == 0.0
     for P in (4, 8):
         one = pl.bubble_fraction(pl.simulate(pl.op_lists("1f1b", P, 2 * P), cost))
         for name in ("dualpipe", "dualpipev"):
             assert pl.bubble_fraction(pl.simulate(pl.op_lists(name, P, 2 * P), cost)) < one / 2
-    for name in ("1f1b", "dualpipev"):  # the docstring's pictures are simulate()'s
+    source = open(pl.__file__).read()
+    for name in ("1f1b", "dualpipev"):  # the pictures beside DualPipe are simulate()'s
         for r, row in enumerate(pl.ascii_timeline(name, 4, 8)):
-            assert f"rank{r} {row}" in pl.__doc__, (name, r, row)
+            assert f"rank{r} {row}" in source, (name, r, row)
+    for row in pl.plan_table(2, 4):  # the docstring's 1F1B plan is plan_messages'
+        assert row in pl.__doc__, row
     bad = [pl.Op("B", 0, 0), pl.Op("F", 0, 0)]  # a backward before its forward cannot run
     with pytest.raises(RuntimeError, match="deadlock"):
         pl.simulate([bad, pl.one_f_one_b(2, 1, 1)], cost)
@@ -332,7 +347,7 @@ def _two_rank_worker(rank, world, data, out):
                 "--out", os.path.join(out, name)] + SMALL
         args = pl.make_parser().parse_args(argv)
         ctx = gpt2.setup(args)
-        pipe = pl.Pipeline(args, ctx, pl.check_args(args, world), gpt2.CommMeter())
+        pipe = pl.build_pipeline(args, ctx, pl.check_args(args, world), gpt2.CommMeter())
         loss = pipe.global_loss(pipe.run(x, y, 1.0 / pipe.M))
         pipe.sync_grads()
         ran = [op for op, _, _ in pipe.timeline.spans()]
@@ -444,7 +459,7 @@ def _dualpipe_options_worker(rank, world, data, out):
         argv = ["--schedule", name, "--micro-batches", "4", "--batch-size", "8", "--data", data,
                 "--activation-checkpointing", "--out", os.path.join(out, "ac_" + name)] + SMALL
         args = pl.make_parser().parse_args(argv)
-        pipe = pl.Pipeline(args, gpt2.setup(args), pl.check_args(args, world), gpt2.CommMeter())
+        pipe = pl.build_pipeline(args, gpt2.setup(args), pl.check_args(args, world), gpt2.CommMeter())
         pipe.run(x, y, 1.0 / pipe.M)
         pipe.sync_grads()
         ref = gpt2.build_model(args)

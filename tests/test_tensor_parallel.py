@@ -29,7 +29,7 @@ def _layers(rank, world):
     x = torch.randn(B, T, E)
     out = {}
     for sp in (False, True):
-        grid = tp.make_grid(world, rank, world, sp)
+        grid = tp.grid_for(world, rank, world, sp)
         seq = slice(rank * T // t, (rank + 1) * T // t) if sp else slice(None)
 
         # column-parallel c_attn (q, k, v each cut): f then the local matmul
@@ -90,7 +90,7 @@ def _layers(rank, world):
         hidden = torch.randn(B, T, E)
         hl = hidden[:, seq].clone().requires_grad_()
         logits = torch.nn.functional.linear(tp.enter_tp(full.ln_f(hl), grid), wte)
-        loss = tp.vocab_parallel_cross_entropy(logits, idx.flip(1), grid, CFG.vocab_size, tp.vocab_range(CFG, grid)[0])
+        loss = tp.vocab_parallel_cross_entropy(logits, idx.flip(1), grid, CFG.vocab_size)
         (loss + (e * x[:, seq]).sum()).backward()
         hf = hidden.clone().requires_grad_()
         loss_full = gpt2.cross_entropy(full.logits(hf), idx.flip(1))
@@ -118,7 +118,7 @@ def _activations(rank, world):
     for B, T in ((2, 16), (3, 32)):
         idx = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(B))
         for sp in (False, True):
-            model = tp.TensorParallelGPT(copy.deepcopy(full), tp.make_grid(world, rank, world, sp))
+            model = tp.TensorParallelGPT(copy.deepcopy(full), tp.grid_for(world, rank, world, sp))
             blocks, head, _ = tp.saved_activation_bytes(model, idx, idx)
             closed = tp.activation_bytes_closed_form(cfg, B, T, world, sp)
             out[(B, T, sp)] = (blocks - closed[0], head - closed[1], blocks)
@@ -135,7 +135,7 @@ def _overlap_comm(rank, world):
     for sp in (False, True):
         grads = []
         for overlap in (False, True):
-            model = tp.TensorParallelGPT(copy.deepcopy(full), tp.make_grid(world, rank, world, sp, overlap))
+            model = tp.TensorParallelGPT(copy.deepcopy(full), tp.grid_for(world, rank, world, sp, overlap))
             model(idx, idx.roll(1, 1)).backward()
             tp.sync_grads(model, model.grid)
             grads.append({n: p.grad for n, p in model.named_parameters()})
@@ -176,7 +176,7 @@ class ToyTP(torch.nn.Module):
     def forward(self, idx, targets):
         x = tp.vocab_parallel_embedding(idx, self.emb, self.grid)  # (B, T, 16), SP: (B, T/t, 16)
         x = x + self.fc2(torch.nn.functional.gelu(self.fc1(tp.enter_tp(x, self.grid))))
-        logits = tp.column_parallel_linear(tp.enter_tp(x, self.grid), self.emb, None, self.grid)  # (B, T, 64/t)
+        logits = self.grid.column_linear(tp.enter_tp(x, self.grid), self.emb, None)  # (B, T, 64/t)
         return tp.vocab_parallel_cross_entropy(logits, targets, self.grid)
 
 
@@ -192,7 +192,7 @@ def _toy_model(rank, world):
     batches = [torch.randint(0, 64, (2, 9), generator=gen) for _ in range(4)]
     out = {}
     for sp, overlap in ((False, False), (True, False), (False, True)):
-        grid = tp.make_grid(world, rank, world, sp, overlap)
+        grid = tp.grid_for(world, rank, world, sp, overlap)
         ref, ours = copy.deepcopy(toy), ToyTP(copy.deepcopy(toy), grid)
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours)]
         for i, b in enumerate(batches):
@@ -382,3 +382,32 @@ def test_diverging_run_saves_nothing(shakespeare, tmp_path):
     assert err.count("\n") == 1 and "error: the weights are not finite after step 1" in err, err
     assert (out / "metrics.jsonl").exists() and not (out / "model.pt").exists()
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_tp_larger_than_a_node_is_warned(monkeypatch, capsys):
+    """TP belongs inside a node: --tp above torchrun's LOCAL_WORLD_SIZE (processes of one node) gets one line
+    on rank 0; within a node, nothing."""
+    monkeypatch.setenv("RANK", "0")
+    for tp_size, local, lines in ((4, 2, 1), (2, 2, 0), (2, 4, 0)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+        tp.warn_tp_across_nodes(tp_size)
+        out = capsys.readouterr().out
+        assert out.count("\n") == lines and (not lines or out.startswith(f"warning: --tp {tp_size} is larger")), out
+    monkeypatch.setenv("RANK", "1")
+    tp.warn_tp_across_nodes(4)
+    assert capsys.readouterr().out == ""
+
+
+def test_overlap_comm_orders_cuda_work(monkeypatch, capsys):
+    """--overlap-comm needs CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM) for dX's all-reduce to run before the
+    dW matmul: set while CUDA has not started and the user set nothing; otherwise one warning line."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    tp.order_comm_before_compute()
+    assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and capsys.readouterr().out == ""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # the user's own value is kept, and warned about
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    tp.order_comm_before_compute()
+    out = capsys.readouterr().out
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8" and out.count("\n") == 1 and out.startswith("warning: "), out
