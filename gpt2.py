@@ -866,7 +866,7 @@ def check_args(args):
     """The checks every file shares, run by setup() before the process group starts (files add their own
     beside it). Flags a file does not have are skipped."""
     for flag in ("steps", "batch_size", "grad_accum", "seq_len", "eval_steps", "n_head", "n_layer", "n_embd",
-                 "timeout", "micro_batches", "tp", "ep", "dp"):
+                 "timeout"):
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             fail(f"--{flag.replace('_', '-')} is {v}", f"--{flag.replace('_', '-')}", "give a positive integer")

@@ -737,6 +737,7 @@ def full_state_dict(model, ep_group, ep):
 def check_args(args, world):
     """Every mistake found before the first collective, so it is an error message and not a hang."""
     gpt2.check_args(args)
+    gpt2.check_range(args.ep, "--ep", 1, todo="give a positive integer")
     if args.experts < 1:
         gpt2.fail(f"--experts is {args.experts}", "--experts", "give a positive number of experts")
     if args.experts % args.ep:

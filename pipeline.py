@@ -919,6 +919,8 @@ def draw_schedule(ranks, path, title, pale):
 def check_args(args, world):
     """Returns P, the pipeline depth; a bad flag is one line naming it (gpt2.fail)."""
     gpt2.check_args(args)
+    for flag in ("--micro-batches", "--dp"):
+        gpt2.check_range(getattr(args, flag[2:].replace("-", "_")), flag, 1, todo="give a positive integer")
     if world % args.dp:
         gpt2.fail(f"--dp {args.dp} does not divide the {world} ranks", "--dp", "give a divisor of the world size")
     P, M, L = world // args.dp, args.micro_batches, gpt2.model_config(args).n_layer

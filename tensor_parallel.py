@@ -666,6 +666,8 @@ def report_step(metrics, step, loss, lr, grid, expected_mb):
 def validate(args, cfg, world):
     """Every size problem becomes an error before the first collective."""
     gpt2.check_args(args)
+    if args.tp is not None:
+        gpt2.check_range(args.tp, "--tp", 1, todo="give a positive integer")
     tp = args.tp or world
     if tp < 1 or world % tp:
         gpt2.fail(f"--tp {tp} does not divide the {world} ranks", "--tp", "give a divisor of the world size")

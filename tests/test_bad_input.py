@@ -101,6 +101,7 @@ CASES += [  # pipeline
 ]
 
 CASES += [  # moe_ep
+    ("moe_ep", ["--ep", "0"], {}, "(--ep)"),
     ("moe_ep", ["--aux-coef", "-1"], {}, "(--aux-coef)"),
     ("moe_ep", ["--bias-rate", "-1", "--balance", "bias"], {}, "(--bias-rate)"),
     ("moe_ep", ["--z-loss", "-1"], {}, "(--z-loss)"),
