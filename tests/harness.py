@@ -6,6 +6,7 @@
 import json
 import multiprocessing as mp
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,12 @@ def script(name):
     """The file a launch runs: under `pytest --impl DIR`, DIR/name when DIR has it (a student's copy)."""
     impl = os.environ.get("GPT2_IMPL")
     return os.path.join(impl, name) if impl and os.path.exists(os.path.join(impl, name)) else name
+
+
+def default_sigint():
+    """preexec_fn of a run a test will Ctrl-C: a shell's background job starts with SIGINT ignored, and Python
+    keeps it ignored, so the run would never see the signal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def launch_env(env=None):
@@ -111,8 +118,7 @@ def first_differences(rel=1e-6):
     for ours, ref in COMPARED:
         for i, (x, y) in enumerate(zip(ours, ref)):
             if abs(x - y) > rel * abs(y):
-                lines.append(f"step {i}: loss {x:.6f} vs reference {y:.6f} (relative {abs(x - y) / abs(y):.1e}); "
-                             f"steps before it agree" if i else f"step {i}: loss {x:.6f} vs reference {y:.6f} "
-                             f"(relative {abs(x - y) / abs(y):.1e}): already the first step differs")
+                where = "; steps before it agree" if i else ": already the first step differs"
+                lines.append(f"step {i}: loss {x:.6f} vs reference {y:.6f} (relative {abs(x - y) / abs(y):.1e}){where}")
                 break
     return lines

@@ -23,7 +23,7 @@ for _path in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.pa
     if _path not in sys.path:  # run as a script too; under pytest --impl DIR, DIR stays first
         sys.path.append(_path)
 import gpt2  # noqa: E402
-from harness import ROOT, free_port, launch_env, script  # noqa: E402
+from harness import ROOT, default_sigint, free_port, launch_env, script  # noqa: E402
 
 SMALL = ["--seq-len", "32", "--batch-size", "2", "--steps", "2", "--eval-every", "0"]
 W2 = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
@@ -158,11 +158,15 @@ def prepare_tmp(tmp):
     (hf / "model.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{\"wte.weight\": {\"dtype\"")
 
 
+def one_process(monkeypatch):
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+
+
 def run_case(case, data, tmp, monkeypatch):
     """Run one case in this process; returns (exit code, what it printed to stderr)."""
     name, flags, env, _ = case
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(k, raising=False)
+    one_process(monkeypatch)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
 
@@ -232,8 +236,7 @@ def test_subcommand_bad_input_is_one_line(case, random_data, tmp_path, monkeypat
     argv = [a.format(tmp=tmp_path) for a in argv]
     if command == "train":
         argv += ["--data", random_data, "--out", str(tmp_path / "out")]
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(k, raising=False)
+    one_process(monkeypatch)
     err, out = io.StringIO(), io.StringIO()
     with redirect_stderr(err), redirect_stdout(out), pytest.raises(SystemExit) as e:
         gpt2.run_main(getattr(gpt2, command), argv)
@@ -311,11 +314,6 @@ def _start_training(out, data, extra=()):
            "--data", data, "--out", str(out), *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=launch_env(), preexec_fn=default_sigint)
-
-
-def default_sigint():
-    """A shell's background job starts with SIGINT ignored, and Python keeps it so: the run must see Ctrl-C."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for(pred, seconds, what):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import checkpoint
 import gpt2
-from harness import ROOT, free_port, launch_env, max_rel_diff, read_metrics, run_distributed, script, train_losses
+from harness import ROOT, default_sigint, free_port, launch_env, max_rel_diff, read_metrics, run_distributed, script, train_losses
 
 STEPS = 20
 
@@ -384,7 +384,7 @@ def test_ctrl_c_is_one_line_releases_the_locks_and_resumes_bit_exact(shakespeare
     argv = flags(shakespeare, out_dir, 8, "--ckpt-dir", ck, "--save-every", "2", "--steps", "8")
     proc = subprocess.Popen([sys.executable, script("checkpoint.py"), *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=launch_env(),
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a background job ignores it
+                            preexec_fn=default_sigint)
     try:
         deadline = time.time() + 300
         while not os.path.exists(f"{ck}/step_000002/manifest.json"):  # a checkpoint is committed: training goes on

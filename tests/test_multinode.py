@@ -121,10 +121,6 @@ def test_a_node_dies_and_the_job_resumes_on_fewer_ranks(random_data, tmp_path):
     # the newest committed checkpoint resumes on one launcher of 2 processes, the global batch kept (2x2 -> 1x2)
     newest = max(committed_steps(ckpt))
     run_cli(["checkpoint.py", *flags, "--batch-size", "4"], nproc=2)
-    steps = [r for r in train_losses_by_step(out)]
+    steps = [r["step"] for r in read_metrics(out) if "loss" in r]
     assert steps == list(range(12)), steps  # the earlier steps kept, the rest trained after the resume
     assert newest >= 2
-
-
-def train_losses_by_step(out):
-    return [r["step"] for r in read_metrics(out) if "loss" in r]
