@@ -987,6 +987,8 @@ def make_parser(description):
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="autocast dtype; auto = bf16 on CUDA, fp32 on CPU")
     a("--compile", action="store_true", help="torch.compile the model")
+    a("--deterministic", action="store_true", help="GPU runs that repeat to the bit and compare with fp32 CPU: TF32 "
+      "off, deterministic algorithms, math attention (slower; CPU runs are deterministic already)")
     a("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     a("--profile", type=int, default=0, help="write a torch.profiler trace of N steps to OUT/trace.json")
     a("--timeout", type=int, default=300, help="seconds a collective may wait before the job fails")
@@ -1040,14 +1042,30 @@ def setup(args, resumes=False) -> Context:
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        # TF32 matmuls (10-bit mantissa) are fast and fine for training, but they break equality with fp32 CPU
+        tf32 = not getattr(args, "deterministic", False)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    if getattr(args, "deterministic", False):
+        make_deterministic()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype, torch.bfloat16 if use_cuda else torch.float32)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout),
                                 **({"device_id": device} if use_cuda else {}))
     make_dir(args.out, "--out")  # every rank sees it (rank 0 made it, or a shared filesystem lags)
     return Context(rank, world, local_rank, device, dtype, rank == 0)
+
+
+def make_deterministic():
+    """--deterministic: the same bits on every run. cuBLAS needs a fixed workspace (set before its first use),
+    flash/efficient attention's backward adds with atomics, so attention falls back to the math kernel, and
+    every op with a nondeterministic CUDA kernel (index_add_, scatter_add_) takes its deterministic one or fails."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def print0(*a, **k):
@@ -1232,6 +1250,121 @@ class Profiler:
             self.prof.export_chrome_trace(self.path)
             print0(f"profiler trace -> {self.path}")
             self.prof = None
+
+
+class Timeline:
+    """One optimizer step drawn as OUT/timeline.png: a row per rank, a bar per span of compute and per
+    collective from its issue to its completion, labelled by what it moves ("bucket 3", "unit 2 gather").
+    Explicit, short calls from the training loop; they do nothing outside the recorded step.
+
+        timeline = Timeline(ctx, record_step=1)       # step 0 warms up (allocations, compile)
+        timeline.start_step(step)
+        with timeline.compute("forward"): ...         # a span of the host's work (CUDA: of the stream's)
+        work = dist.all_reduce(t, async_op=True)
+        timeline.comm("bucket 3", work)               # issue now -> completion (gloo: the work's callback)
+        timeline.comm_span("owner 1 gather", t0)      # a blocking collective issued at t0 = timeline.now()
+        timeline.save(os.path.join(args.out, "timeline.png"))   # every rank calls it: a gather to rank 0
+
+    On CPU/gloo a span is host time (time.perf_counter). On CUDA it is measured by CUDA events on the
+    current stream: a collective's end is an event recorded by the work's future callback, which CUDA
+    orders after the collective (so the bar ends when the data is there, not when the host returned)."""
+
+    COLOURS = {"compute": "#9ecae1", "all_reduce": "#e6550d", "all_gather": "#31a354", "reduce_scatter": "#756bb1",
+               "all_to_all": "#d6616b", "send": "#fdae6b", "recv": "#bcbddc", "io": "#969696"}
+
+    def __init__(self, ctx, record_step=1):
+        self.ctx, self.record_step, self.on = ctx, record_step, False
+        self.cuda = ctx.device.type == "cuda"
+        self.spans = []  # (label, kind, start, end): floats (s) on CPU, CUDA events (or a list to fill) on GPU
+        self.t0 = None
+
+    def start_step(self, step):
+        self.on = step == self.record_step
+        if self.on:
+            self.spans.clear()
+            self.t0 = self.now()
+
+    def now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def compute(self, label, kind="compute"):
+        if not self.on:
+            yield
+            return
+        start = self.now()
+        yield
+        self.spans.append([label, kind, start, self.now()])
+
+    def comm(self, label, work, kind="all_reduce"):
+        """A collective issued just now with async_op=True; its bar ends when `work` completes."""
+        if not self.on:
+            return
+        span = [label, kind, self.now(), None]
+        self.spans.append(span)
+
+        def done(fut):
+            span[3] = self.now()  # gloo: a host timestamp on gloo's thread; CUDA: an event ordered after the work
+            return fut.value()
+
+        work.get_future().then(done)
+
+    def comm_span(self, label, start, kind="all_reduce"):
+        """A blocking collective issued at `start` (= timeline.now()) that has just returned."""
+        if self.on:
+            self.spans.append([label, kind, start, self.now()])
+
+    def stop(self):
+        """End of the recorded step (optional: save() stops it too)."""
+        self.on = False
+
+    def _times_ms(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [(lab, kind, self.t0.elapsed_time(s), self.t0.elapsed_time(e))
+                    for lab, kind, s, e in self.spans if e is not None]
+        return [(lab, kind, 1e3 * (s - self.t0), 1e3 * (e - self.t0)) for lab, kind, s, e in self.spans
+                if e is not None]
+
+    def save(self, path, title=""):
+        """Every rank calls it once (a gather of each rank's spans); rank 0 draws. Returns rank 0's rows:
+        [(rank, label, kind, start_ms, end_ms)], [] elsewhere, and [] when the step was never recorded."""
+        self.on = False
+        rows = self._times_ms() if self.t0 is not None else []
+        everyone = [rows]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, rows)
+        if not self.ctx.master or not any(everyone):
+            return []
+        flat = [(r, *span) for r, spans in enumerate(everyone) for span in spans]
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(12, 1.2 + 0.9 * len(everyone)))
+        end = max(e for *_, e in flat) or 1.0
+        for rank, label, kind, s, e in flat:
+            lane = 0.0 if kind == "compute" else 0.42  # compute above, communication below, in each rank's row
+            ax.barh(rank + lane, max(e - s, end * 1e-3), left=s, height=0.38, color=self.COLOURS.get(kind, "#cccccc"),
+                    edgecolor="black", linewidth=0.3)
+            if e - s > end * 0.03:
+                ax.text(s + (e - s) / 2, rank + lane, label, ha="center", va="center", fontsize=6, clip_on=True)
+        ax.set_yticks([r + 0.21 for r in range(len(everyone))], [f"rank {r}" for r in range(len(everyone))])
+        ax.invert_yaxis()
+        ax.set_xlabel(f"ms since the start of step {self.record_step} ({'CUDA events' if self.cuda else 'host clock'})")
+        kinds = sorted({k for *_, k, _s, _e in flat})
+        ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=self.COLOURS.get(k, "#cccccc")) for k in kinds],
+                  labels=kinds, loc="upper right", fontsize=7, ncol=len(kinds))
+        ax.set_title(title or "one optimizer step: compute (upper bar) and collectives, issue to completion (lower bar)",
+                     fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return flat
 
 
 # Using a trained model: sampling, HellaSwag, export to the Hugging Face layout

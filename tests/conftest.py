@@ -48,8 +48,40 @@ def pytest_configure(config):
         impl = os.path.abspath(impl)
         if not os.path.isdir(impl):
             raise pytest.UsageError(f"--impl {impl}: not a directory (give the directory holding your copies)")
+        for name in sorted(os.listdir(impl)):  # a copy that does not parse: one line, not a collection traceback
+            if name.endswith(".py") and name[:-3] in TECHNIQUES:
+                try:
+                    with open(os.path.join(impl, name)) as f:
+                        compile(f.read(), name, "exec")
+                except SyntaxError as e:
+                    raise pytest.UsageError(f"{impl}/{name} line {e.lineno}: {e.msg} (--impl): fix the syntax "
+                                            f"and run again") from None
         os.environ["GPT2_IMPL"] = impl  # harness.script() and every launch read it; spawned ranks inherit it
         sys.path.insert(0, impl)
+
+
+TECHNIQUES = ("gpt2", "ddp", "fsdp2", "tensor_parallel", "pipeline", "moe_ep", "fp8", "muon", "checkpoint")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """--impl DIR must hold the file each selected test module checks (tests/test_ddp.py checks ddp.py): a DIR
+    without it would silently test the repository's own file and pass."""
+    impl = os.environ.get("GPT2_IMPL")
+    if not impl or not config.getoption("--impl"):
+        return
+    wanted = sorted({f"{m}.py" for m in (os.path.basename(str(i.fspath))[5:-3] for i in items) if m in TECHNIQUES})
+    missing = [f for f in wanted if not os.path.exists(os.path.join(impl, f))]
+    if missing:
+        raise pytest.UsageError(f"{impl} has no {', '.join(missing)} (--impl): write your copy there "
+                                f"(python tests/exercise.py {missing[0]} --out {impl}) or select only the tests of the "
+                                f"files it holds")
+
+
+def pytest_report_header(config):
+    impl = os.environ.get("GPT2_IMPL")
+    if impl and config.getoption("--impl"):
+        mine = sorted(f for f in os.listdir(impl) if f.endswith(".py") and f[:-3] in TECHNIQUES)
+        return f"--impl {impl}: {', '.join(mine) or 'no technique file'} from there; every other file from the repository"
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -62,7 +94,7 @@ def pytest_runtest_makereport(item, call):
     import harness
     from exercise import hint_for
     lines = harness.first_differences()
-    hint = hint_for(item.module.__name__)
+    hint = None if any("which usually means" in line for line in lines) else hint_for(item.module.__name__)
     if lines or hint:
         report.sections.append(("what differs", "\n".join(lines + ([f"hint: {hint}"] if hint else []))))
 

@@ -4,6 +4,10 @@
     # ... write them (each raises NotImplementedError("exercise N: what to write") until you do) ...
     python -m pytest -q --impl mine tests/test_ddp.py    # exactly the tests that check ours, on your copy
 
+    python tests/exercise.py ddp.py --core --out handout  # handout/ddp.py: the core alone (it trains), + gpt2.py
+    python tests/exercise.py ddp.py --bug list           # the bug zoo: plausible bugs, each with its symptom
+    python tests/exercise.py ddp.py --bug 2 --out zoo    # zoo/ddp.py with bug 2 planted: find it
+
 `pytest --impl DIR` runs every technique test on the files in DIR (the repository's own for those DIR lacks),
 imported in-process and launched under torchrun alike; a failing test also says which step's loss differs
 first from its reference and what that usually means (the hints below). `python tests/exercise.py --list`
@@ -123,6 +127,81 @@ CHECKS = {
 }
 
 
+# The bug zoo: file -> [(name, the original text (unique in the file), the bug, the symptom a student sees,
+# the test that catches it as a pytest -k expression, a phrase its `what differs` or failure message contains)].
+# Workshop material ("find the bug") and the measure of the tests: `--check` proves each is caught and named.
+BUGS = {
+    "ddp.py": [
+    ],
+
+    "fsdp2.py": [
+    ],
+
+    "tensor_parallel.py": [
+    ],
+
+    "pipeline.py": [
+    ],
+
+    "moe_ep.py": [
+    ],
+
+    "fp8.py": [
+    ],
+
+    "muon.py": [
+    ],
+
+    "checkpoint.py": [
+    ],
+}
+
+BANNER = "# ---- Beyond the core ----"
+
+
+def core_copy(source):
+    """The file cut at the banner, started by its core's own main(): the handout (issue 30: the core runs alone)."""
+    assert source.count(BANNER) == 1, "no '# ---- Beyond the core ----' banner"
+    core = source[: source.index(BANNER)].rstrip("\n")
+    return core + '\n\n\nif __name__ == "__main__":\n    gpt2.run_main(main)\n'
+
+
+def plant(source, bug):
+    """The source with one zoo bug planted."""
+    name, original, buggy = bug[:3]
+    assert source.count(original) == 1, f"bug {name!r}: its original text is not unique in the file: {original!r}"
+    return source.replace(original, buggy)
+
+
+def run_pytest(root, impl, test, basetemp, k=None):
+    import subprocess
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"--basetemp={basetemp}",
+                           "--impl", impl, test, *(["-k", k] if k else [])], cwd=root, capture_output=True, text=True,
+                          timeout=1200)
+
+
+def check_zoo(name, root, work, only=None):
+    """Each zoo bug of `name` fails its test, and the failure names it (its phrase appears in the output).
+    Returns [(bug number, bug name, caught, named, the first line of `what differs` or of the failure)]."""
+    with open(os.path.join(root, name)) as f:
+        source = f.read()
+    rows = []
+    for n, bug in enumerate(BUGS[name], 1):
+        if only and n != only:
+            continue
+        bug_name, _, _, _, test, phrase = bug
+        d = os.path.join(work, f"{name[:-3]}_bug{n}")
+        os.makedirs(d)
+        with open(os.path.join(d, name), "w") as f:
+            f.write(plant(source, bug))
+        out = run_pytest(root, d, f"tests/test_{name[:-3]}.py", f"{d}/tmp", test)
+        text = out.stdout + out.stderr
+        lines = text[text.find("what differs -"):].splitlines()[1:2] if "what differs -" in text else \
+            [next((l for l in text.splitlines() if l.startswith("E ")), "")]
+        rows.append((n, bug_name, out.returncode == 1, phrase in text, (lines or [""])[0][:200]))
+    return rows
+
+
 def check(name, root, work):
     """The exercise copy fails with its own message, the bug copy fails saying what differs, the reference
     copy passes: each under `pytest --impl` on the file's CHECKS test. Returns [(kind, exit code, line)]."""
@@ -187,37 +266,71 @@ def cut(source, exercises):
 
 def main(argv=None):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = argparse.ArgumentParser(description="Write a technique file with its core's key functions to re-implement.")
+    p = argparse.ArgumentParser(description="Write a technique file with its core's key functions to re-implement, "
+                                            "its core alone (--core), or a copy with a planted bug (--bug).")
     p.add_argument("file", nargs="?", choices=sorted(EXERCISES), help="the technique file")
     p.add_argument("--out", help="directory for your copy (then: pytest --impl DIR)")
     p.add_argument("--list", action="store_true", help="print every file's exercises")
-    p.add_argument("--check", action="store_true", help="for maintainers: the round trip of FILE (or every file)")
+    p.add_argument("--core", action="store_true", help="write the core alone (cut at the banner) and gpt2.py: the handout")
+    p.add_argument("--bug", help="N: write a copy with zoo bug N planted; list: list FILE's zoo (every file's without FILE)")
+    p.add_argument("--check", action="store_true", help="for maintainers: the round trip of FILE (or every file) and "
+                                                        "every zoo bug caught by its test")
     a = p.parse_args(argv)
     if a.check:
         import tempfile
+        failed = 0
         with tempfile.TemporaryDirectory() as work:
             for name in [a.file] if a.file else EXERCISES:
                 for kind, code, line in check(name, root, work):
+                    failed += (code == 0) != (kind == "reference")
                     print(f"{name} {kind}: exit {code} | {line}", flush=True)
-        return
-    if a.list or not a.file:
+                for n, bug_name, caught, named, line in check_zoo(name, root, work):
+                    failed += not (caught and named)
+                    print(f"{name} bug {n} ({bug_name}): {'caught' if caught else 'MISSED'}"
+                          f"{'' if named or not caught else ', NOT NAMED'} | {line}", flush=True)
+        sys.exit(1 if failed else 0)
+    if a.bug == "list" or (a.bug is None and (a.list or not a.file) and not a.core):
+        if a.bug == "list":
+            for f in [a.file] if a.file else BUGS:
+                for n, (bug_name, _, _, symptom, test, _) in enumerate(BUGS[f], 1):
+                    print(f"{f} bug {n}: {bug_name}: {symptom} (caught by -k {test})")
+            return
         for f, items in EXERCISES.items():
             print(f)
             for n, (dotted, what) in enumerate(items, 1):
                 print(f"  exercise {n}: {dotted}: {what}")
         return
+    if not a.file:
+        sys.exit("error: which file (FILE): give a technique file, e.g. ddp.py")
     if not a.out:
         sys.exit("error: where to write your copy (--out): give a directory, e.g. --out mine")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        sys.exit(f"error: {a.out} is a file (--out): give a directory")
     dst = os.path.join(a.out, a.file)
     if os.path.exists(dst):
         sys.exit(f"error: {dst} exists (--out): your work is never overwritten; choose another directory")
     with open(os.path.join(root, a.file)) as f:
-        text = cut(f.read(), EXERCISES[a.file])
+        source = f.read()
+    if a.bug is not None:
+        if not a.bug.isdigit() or not 1 <= int(a.bug) <= len(BUGS[a.file]):
+            sys.exit(f"error: --bug {a.bug} (--bug): give 1..{len(BUGS[a.file])} or list")
+        text, what = plant(source, BUGS[a.file][int(a.bug) - 1]), f"bug {a.bug} planted (symptom: " \
+            f"{BUGS[a.file][int(a.bug) - 1][3]})"
+    elif a.core:
+        text, what = core_copy(source), "its core alone"
+    else:
+        text, what = cut(source, EXERCISES[a.file]), f"{len(EXERCISES[a.file])} exercises"
     os.makedirs(a.out, exist_ok=True)
     with open(dst, "w") as f:
         f.write(text)
-    print(f"wrote {dst} with {len(EXERCISES[a.file])} exercises; test it with: "
-          f"python -m pytest -q --impl {a.out} tests/test_{a.file[:-3]}.py")
+    if a.core:
+        import shutil
+        if not os.path.exists(os.path.join(a.out, "gpt2.py")):
+            shutil.copy(os.path.join(root, "gpt2.py"), os.path.join(a.out, "gpt2.py"))
+        print(f"wrote {dst} ({what}, {text.count(chr(10))} lines) and {a.out}/gpt2.py; run it with: "
+              f"torchrun --nproc_per_node=2 {dst}")
+        return
+    print(f"wrote {dst} with {what}; test it with: python -m pytest -q --impl {a.out} tests/test_{a.file[:-3]}.py")
 
 
 if __name__ == "__main__":

@@ -105,20 +105,43 @@ def train_losses(out_dir):
     return [r["loss"] for r in read_metrics(out_dir) if "loss" in r]
 
 
-def max_rel_diff(a, b):
+def compare(what, ours, ref, tol, steps=None, hint=None):
+    """Record that curve `what` (e.g. "train loss, ddp.py 2 ranks fp32 vs gpt2.py") was compared with tolerance
+    `tol` (relative); returns the largest relative difference. `steps`: the training step of each value (val
+    losses are logged at their step, not at their index). A failing test prints, in `what differs`, the first
+    value over the tolerance with its step, and `hint` (what that usually means) before the file's own hint."""
+    ours, ref = [float(v) for v in ours], [float(v) for v in ref]
+    assert len(ours) == len(ref) and ours, f"{what}: {len(ours)} values vs {len(ref)} in the reference: did every step run?"
+    COMPARED.append({"what": what, "ours": ours, "ref": ref, "tol": tol, "steps": steps or list(range(len(ours))),
+                     "hint": hint})
+    return max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(ours, ref))
+
+
+def assert_close(what, ours, ref, tol, hint=None, steps=None):
+    """compare(), then assert with the measured and expected figures in the message."""
+    worst = compare(what, ours, ref, tol, steps, hint)
+    assert worst <= tol, f"{what}: relative difference {worst:.2e} > tolerance {tol:.0e}" + (f" ({hint})" if hint else "")
+    return worst
+
+
+def max_rel_diff(a, b, what="train loss vs the reference", tol=1e-6):
     """Largest relative difference of two loss curves, a = ours, b = the reference."""
-    assert len(a) == len(b) and len(a) > 0, f"{len(a)} values vs {len(b)} in the reference: did every step run?"
-    COMPARED.append((list(a), list(b)))
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    return compare(what, a, b, tol)
 
 
-def first_differences(rel=1e-6):
-    """For each curve compared in this test, the first step where ours leaves the reference by more than rel."""
+def first_differences(rel=None):
+    """For each comparison made in this test, the first value where ours leaves the reference by more than its
+    tolerance (or `rel`), named by its curve and its training step, then the comparisons' hints."""
     lines = []
-    for ours, ref in COMPARED:
-        for i, (x, y) in enumerate(zip(ours, ref)):
-            if abs(x - y) > rel * abs(y):
-                where = "; steps before it agree" if i else ": already the first step differs"
-                lines.append(f"step {i}: loss {x:.6f} vs reference {y:.6f} (relative {abs(x - y) / abs(y):.1e}){where}")
+    for c in COMPARED:
+        tol = rel if rel is not None else c["tol"]
+        for i, (x, y, step) in enumerate(zip(c["ours"], c["ref"], c["steps"])):
+            diff = abs(x - y) / max(abs(y), 1e-30)
+            if diff > tol:
+                where = "; the values before it agree" if i else ": already the first value differs"
+                lines.append(f"{c['what']}: step {step}: {x:.6f} vs reference {y:.6f} (relative {diff:.1e} > "
+                             f"tolerance {tol:.0e}){where}")
+                if c["hint"]:
+                    lines.append(f"  which usually means: {c['hint']}")
                 break
     return lines
