@@ -289,7 +289,8 @@ class DataLoader:
             fail(f"{len(self.tokens)} tokens, fewer than one global batch ({self.world} ranks x {self.B} x {self.T} + 1 = "
                  f"{need})", self.files[self.shard], "lower --batch-size/--seq-len")
 
-    def next_batch(self):
+    def next_batch(self, device=None):
+        """This rank's (B, T) inputs and (B, T) next-token targets, on `device` (None: host memory)."""
         span = self.world * self.B * self.T
         if self.pos + span + 1 > len(self.tokens):
             self.shard = (self.shard + 1) % len(self.files)
@@ -297,9 +298,12 @@ class DataLoader:
             self.tokens = read_shard(self.files[self.shard], self.vocab_size)
             self._check_fits()
         lo = self.pos + self.rank * self.B * self.T
-        buf = torch.from_numpy(self.tokens[lo: lo + self.B * self.T + 1].astype(np.int64))
+        buf = torch.from_numpy(self.tokens[lo: lo + self.B * self.T + 1].astype(np.int64))  # (B*T+1,)
         self.pos += span
-        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
+        if device is not None and device.type == "cuda":
+            # page-locked memory lets the copy run asynchronously: a pageable copy would make the host wait
+            buf = buf.pin_memory().to(device, non_blocking=True)
+        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)  # (B, T) x, (B, T) y shifted by one
 
 
 def make_loaders(args, rank=0, world=1, vocab_size=50257):
@@ -369,8 +373,8 @@ def accumulate_grads(loss_fn, loader, args, device, after_backward=None):
     Returns this rank's mean loss of the step, detached."""
     loss_sum = torch.zeros((), device=device)
     for _ in range(args.grad_accum):
-        x, y = loader.next_batch()
-        loss = loss_fn(x.to(device), y.to(device)) / args.grad_accum
+        x, y = loader.next_batch(device)
+        loss = loss_fn(x, y) / args.grad_accum
         loss_sum += loss.detach()
         loss.backward()
         if after_backward is not None:
@@ -386,8 +390,8 @@ def evaluate(loss_fn, loader: DataLoader, steps, device):
     loader.load_state_dict({"shard": 0, "pos": 0})
     total = torch.zeros((), device=device)
     for _ in range(steps):
-        x, y = loader.next_batch()
-        total += loss_fn(x.to(device), y.to(device)).float()
+        x, y = loader.next_batch(device)
+        total += loss_fn(x, y).float()
     total /= steps
     if dist.is_initialized():
         dist.all_reduce(total)
@@ -796,7 +800,8 @@ def peer_lost(e):
 
 
 # What a Ctrl-C or a lost peer reports: the last logged step (Metrics sets it) and how to go on (checkpoint.py says how to resume).
-RUN = {"step": None, "resume": "nothing was saved but metrics.jsonl (checkpoint.py --ckpt-dir DIR runs can resume)"}
+RUN = {"step": None, "resume": "nothing was saved but metrics.jsonl: to run again, give a new --out (or delete this "
+                              "one); checkpoint.py runs can resume"}
 _created_dirs = []
 
 
@@ -1179,14 +1184,11 @@ class Metrics:
         self.t0 = None
 
     def start_step(self):
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize()
         self.t0 = time.perf_counter()
 
     def log_step(self, step, loss, lr, comm_mb=0.0, **extra):
-        """Call after the optimizer step with the global mean loss; prints a nanoGPT-style line."""
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize()
+        """Call after the optimizer step with the global mean loss as a float: reading it (loss.item()) is the
+        step's one host sync, so the host clock here measures the step without a torch.cuda.synchronize()."""
         dt = time.perf_counter() - self.t0
         tok_s = self.tokens_per_step / dt
         mfu = self.flops_per_step / dt / (self.ctx.world * self.peak) if self.peak else None
@@ -1194,6 +1196,8 @@ class Metrics:
         rec = {"step": step, "loss": loss, "lr": lr, "tokens": (step + 1) * self.tokens_per_step,
                "dt_ms": dt * 1e3, "tok_per_s": tok_s, "mfu": mfu,
                "peak_mem_mb": peak_memory_mb(self.ctx.device), "comm_mb": comm_mb, **extra}
+        if self.ctx.device.type == "cuda":  # what the caching allocator holds: what nvidia-smi and an OOM see
+            rec["peak_reserved_mb"] = torch.cuda.max_memory_reserved(self.ctx.device) / 1e6
         self._write(rec)
         mfu_s = f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""
         print0(f"step {step:5d} | loss {loss:.6f} | lr {lr:.2e} | {dt * 1e3:7.1f} ms | {tok_s:9.0f} tok/s{mfu_s} | comm {comm_mb:.2f} MB")
