@@ -839,12 +839,14 @@ def check_range(value, flag, lo=-math.inf, hi=math.inf, todo=None):
 
 def agree(ok, device=None):
     """True on every rank iff `ok` is true on every rank (one all-reduce; no group: just ok). Used where one
-    rank does work for all (rank 0 prepares the data) and all must stop together if it failed."""
+    rank does work for all (rank 0 prepares the data) and all must stop together if it failed. `ok` may be a
+    0-d tensor on the device: then reading the answer is the one host sync."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return bool(ok)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([1 if ok else 0], device=device)
+    flag = ok.to(device, torch.int32).reshape(1) if isinstance(ok, torch.Tensor) else \
+        torch.full((1,), 1 if ok else 0, dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
@@ -852,10 +854,12 @@ def agree(ok, device=None):
 def check_finite_weights(tensors, step, device=None, flag="--lr",
                          todo="nothing was saved: lower --lr, keep --grad-clip on, or raise --warmup"):
     """Before anything is written: the weights after the last update are finite on every rank (the loss
-    check sees only the weights before it). A collective when there is a group: every rank calls it."""
-    tensors = [t for t in tensors if t.is_floating_point()]
-    bad = sum(int(not torch.isfinite(t.detach()).all()) for t in tensors)
-    if not agree(bad == 0, device):
+    check sees only the weights before it). A collective when there is a group: every rank calls it. One host
+    sync: the flags of all tensors are reduced on the device first."""
+    tensors = [t.detach() for t in tensors if t.is_floating_point()]
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all() if tensors else torch.tensor(True)
+    if not agree(finite, device):
+        bad = sum(int(not torch.isfinite(t).all()) for t in tensors)  # the failure path only: count them
         fail(f"the weights are not finite after step {step} ({bad} of {len(tensors)} tensors on rank "
              f"{int(os.environ.get('RANK', 0))} hold NaN or Inf)", flag, todo)
 

@@ -27,7 +27,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--steps", "3", "--grad-accum", "2", "--eval-every", "0", "--batch-size", "2", "--seq-len", "64"]
+TINY = ["--steps", "3", "--grad-accum", "2", "--eval-every", "0", "--batch-size", "4", "--seq-len", "64"]
 # file -> (processes, extra flags); every block of moe_ep's tiny model is a MoE layer (4)
 RUNS = {
     "gpt2.py": (1, ["train"]),
