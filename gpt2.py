@@ -180,19 +180,69 @@ class GPT(nn.Module):
         return logits
 
     def head_loss(self, x, targets):
-        """Mean next-token cross-entropy from the last block's hidden states."""
-        return cross_entropy(self.logits(x), targets)
+        """Mean next-token cross-entropy from the last block's hidden states (B, T, C). Beyond LOSS_CHUNK rows the
+        fp32 logits of the whole batch would not fit (B=64, T=1024: 13 GB, twice): chunked_cross_entropy."""
+        if x.shape[0] * x.shape[1] <= LOSS_CHUNK:
+            return cross_entropy(self.logits(x), targets)
+        return chunked_cross_entropy(self.ln_f(x).flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                     self.config.vocab_size)
 
     def forward(self, idx, targets=None):
+        """(logits, loss); the logits are None where the loss was computed in chunks (they never existed whole)."""
         x = self.forward_blocks(self.embed(idx))
         if targets is None:
             return self.logits(x[:, [-1], :]), None  # sampling needs the last position only
+        if x.shape[0] * x.shape[1] > LOSS_CHUNK:
+            return None, self.head_loss(x, targets)
         logits = self.logits(x)
         return logits, cross_entropy(logits, targets)
 
 
 def cross_entropy(logits, targets):
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))  # (B*T, V) vs (B*T,)
+
+
+LOSS_CHUNK = 8192  # rows of (rows, V) fp32 logits alive at once: 1.6 GB at V = 50,304
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The mean cross-entropy of x @ W.T over the real vocabulary, LOSS_CHUNK rows at a time, with the gradients
+    of x and W made in the same pass (softmax - onehot, per chunk): no (N, V) tensor outlives its chunk, and
+    nothing is recomputed. Backward only scales them. Matmuls follow autocast, as autograd's would."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, vocab_size, grads):
+        n = x.shape[0]  # x (N, C), weight (V_padded, C), targets (N,)
+        loss = torch.zeros((), device=x.device)
+        grad_x = torch.empty_like(x) if grads else None
+        grad_w = torch.zeros(weight.shape, device=weight.device) if grads else None  # fp32 accumulator
+        for lo in range(0, n, LOSS_CHUNK):
+            xc, tc = x[lo:lo + LOSS_CHUNK], targets[lo:lo + LOSS_CHUNK]  # (c, C), (c,)
+            logits = (xc @ weight.t()).float()  # (c, V_padded): the only fp32 (c, V) tensor, reused in place below
+            logits[:, vocab_size:] = float("-inf")  # the padding rows never enter the softmax
+            lse = torch.logsumexp(logits, dim=-1)  # (c,)
+            loss += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+            if grads:  # d loss / d logits = (softmax - onehot) / N
+                dlogits = logits.sub_(lse[:, None]).exp_()
+                dlogits[torch.arange(len(tc), device=x.device), tc] -= 1.0
+                dlogits = dlogits.div_(n).to(torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(
+                    x.device.type) else x.dtype)
+                grad_x[lo:lo + LOSS_CHUNK] = dlogits @ weight.to(dlogits.dtype)  # (c, C)
+                grad_w += (dlogits.t() @ xc.to(dlogits.dtype)).float()  # (V_padded, C)
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_loss, (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None
+
+
+@torch.compiler.disable  # eager: its work is large GEMMs; a compiled loop of in-place ops would save little
+def chunked_cross_entropy(x, weight, targets, vocab_size):
+    grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return ChunkedCrossEntropy.apply(x, weight, targets, vocab_size, grads)
 
 
 def model_config(args) -> GPTConfig:
