@@ -213,6 +213,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets, vocab_size, grads):
         n = x.shape[0]  # x (N, C), weight (V_padded, C), targets (N,)
+        dev = x.device.type  # the gradient matmuls run in autocast's dtype, as autograd's would
+        ctx.matmul_dtype = torch.get_autocast_dtype(dev) if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev) \
+            else x.dtype
         loss = torch.zeros((), device=x.device)
         grad_x = torch.empty_like(x) if grads else None
         grad_w = torch.zeros(weight.shape, device=weight.device) if grads else None  # fp32 accumulator
@@ -225,8 +228,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             if grads:  # d loss / d logits = (softmax - onehot) / N
                 dlogits = logits.sub_(lse[:, None]).exp_()
                 dlogits[torch.arange(len(tc), device=x.device), tc] -= 1.0
-                dlogits = dlogits.div_(n).to(torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(
-                    x.device.type) else x.dtype)
+                dlogits = dlogits.div_(n).to(ctx.matmul_dtype)
                 grad_x[lo:lo + LOSS_CHUNK] = dlogits @ weight.to(dlogits.dtype)  # (c, C)
                 grad_w += (dlogits.t() @ xc.to(dlogits.dtype)).float()  # (V_padded, C)
         ctx.save_for_backward(grad_x, grad_w)
