@@ -20,14 +20,14 @@ run beside compute and never wait on each other in a cycle (on NCCL a send may b
   end                               send g3
 Who sums what (stage r: blocks [r*L/P, (r+1)*L/P); rank 0 also wte and wpe, rank P-1 ln_f and lm_head = wte):
   loss         the last stage scales each micro-batch's mean loss by 1/(M x --grad-accum): gradients of the mean
-  stage grads  autograd sums them over the micro-batches (+=); never reduced across stages (no two hold a weight)
+  stage grads  autograd sums them over the micro-batches (+=); never across stages (no two share a weight but wte)
   wte/lm_head  one copy on rank 0 (embedding), one on rank P-1 (head): gradients summed over that pair
   --dp D       D pipelines on different data: every gradient summed over its stage's D replicas, then / D
   logged loss  the last stages' sums, summed over the world, / D; one .item() per step (the only host sync)
   clip norm    each rank's sum of squares (wte counted once, on rank 0), summed over the pipeline: every rank
                scales by the same min(1, clip / norm), as torch.nn.utils.clip_grad_norm_ on the whole model
 Read first: naive_step, one_f_one_b, plan_messages, Pipeline.run, train. Beyond the core: --schedule gpipe, zbh1,
-interleaved, dualpipe, dualpipev (subclasses); the run's last batch timed under both loops: their bubbles.
+interleaved, dualpipe, dualpipev (subclasses); after training, one batch timed under both loops: their bubbles.
 Launch: torchrun --nproc_per_node=2 pipeline.py --micro-batches 4 --batch-size 8 (= python gpt2.py train --batch-size 8)
 """
 import collections
@@ -543,8 +543,9 @@ class MultiStage(Pipeline):
 
     def clip_grad_norm(self, max_norm):
         """Each parameter counted once: the lowest of its copies; the head's copy of wte on the first stage."""
+        head = self.model.lm_head.weight if self.tied_split and self.last else None  # wte's copy: counted on rank 0
         params = [] if min(self.copies(self.pp_rank)) != self.pp_rank else [
-            p for p in self.model.parameters() if not (self.tied_split and self.last and p is self.model.lm_head.weight)]
+            p for p in self.model.parameters() if p is not head]
         sq = sum((torch.linalg.vector_norm(p.grad.float()).square() for p in params),
                  torch.zeros((), device=self.ctx.device))
         if self.P > 1:
