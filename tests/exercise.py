@@ -47,10 +47,15 @@ EXERCISES = {
                                               "softmax for backward"),
     ],
     "pipeline.py": [
+        ("naive_step", "all M forwards (stage > 0: dist.recv the activation from the rank above; pipe.compute("
+                       "Op('F', s, mb), h); not the last stage: dist.send the output down), then all M backwards the "
+                       "same way up (the output's gradient from below, the input's gradient sent up); pipe.start "
+                       "first, return pipe.loss_sum"),
         ("one_f_one_b", "1F1B's op list for one rank: P-1-rank warm-up forwards, then one forward one backward, "
                         "then the remaining backwards"),
-        ("Pipeline.run", "one step: issue the receives planned before the first op, then for each op: receive, "
-                         "compute, send (with the batch planned after it); wait for the sends; return the loss"),
+        ("Pipeline.run", "one step: self.start(x, y, scale), issue the receives planned before the first op, then "
+                         "for each op: wait for its planned receive (self.inbox[message_in(op, S)]), compute, send "
+                         "(with the batch planned after it); wait for the sends; return self.loss_sum"),
     ],
     "moe_ep.py": [
         ("AllToAll.backward", "the gradient of a received row goes back to its sender: the same exchange with the "
@@ -117,8 +122,8 @@ CHECKS = {
     "fsdp2.py": ("both_modes_match", ("out /= dist.get_world_size()", "out /= 1")),  # reduce-scatter summed
     "tensor_parallel.py": ("parallel_layers_dtensor", ("return all_reduce(grad.contiguous(), ctx.grid), None",
                                                        "return grad, None")),  # f's backward without its all-reduce
-    "pipeline.py": ("two_ranks_every_schedule", ("out = self.model.head_loss(h, ys[mb]) * self.scale",
-                                                 "out = self.model.head_loss(h, ys[mb])")),  # losses not scaled by 1/M
+    "pipeline.py": ("two_ranks_every_schedule", ("out = self.model.head_loss(h, self.ys[mb]) * self.scale",
+                                                 "out = self.model.head_loss(h, self.ys[mb])")),  # losses not scaled by 1/M
     "moe_ep.py": ("expert_parallel_equals_one_process", ("    flat /= world\n", "    flat /= n\n")),  # / EP group
     "fp8.py": ("fp8_matmul_vs_fp64", ("acc += partial * a_scales[:, k, None] * b_rows[None, :, k]",
                                       "acc += partial * a_scales[:, k, None] * b_rows[None, :, 0]")),  # every chunk, chunk 0's scale
@@ -141,6 +146,28 @@ BUGS = {
     ],
 
     "pipeline.py": [
+        ("loss not scaled by 1/M", "out = self.model.head_loss(h, self.ys[mb]) * self.scale",
+         "out = self.model.head_loss(h, self.ys[mb])", "the logged loss is M times gpt2.py's from step 0, every "
+         "gradient M times too large", "two_ranks_every_schedule", "loss, naive rank"),
+        ("tied wte/lm_head gradients not summed", "        if self.P > 1 and (self.first or self.last):\n"
+         "            self.all_reduce(", "        if False:\n            self.all_reduce(",
+         "the curve drifts from gpt2.py after step 0; the first and last stage's wte differ", "two_ranks_every_schedule",
+         "norm of wte.weight"),
+        ("--dp gradients summed, not averaged", "            self.all_reduce(p.grad, self.dp_group)\n"
+         "            p.grad /= self.D\n", "            self.all_reduce(p.grad, self.dp_group)\n",
+         "--dp 2 runs drift from gpt2.py only slowly (AdamW hides a constant scale)", "four_ranks", "--dp 2 rank"),
+        ("clip norm not summed over the stages", "        if self.P > 1:\n            self.all_reduce(sq, self.pp_group)"
+         "  # the sum of squares over the stages\n", "", "each stage clips by its own norm: too little, from the "
+         "first clipped step", "two_ranks_every_schedule", "gradient clipped to half its norm"),
+        ("clip coefficient clamped the wrong way", "max=1.0)  # a tensor: no host sync",
+         "min=1.0)  # a tensor: no host sync", "gradients are never clipped: the coefficient never goes below 1",
+         "two_ranks_every_schedule", "gradient clipped to half its norm"),
+        ("--grad-accum not in the loss scale", "scale = 1.0 / (args.micro_batches * args.grad_accum)",
+         "scale = 1.0 / args.micro_batches", "at --grad-accum 2 the logged loss is twice gpt2.py's",
+         "two_ranks_every_schedule", "--grad-accum 2"),
+        ("1F1B with one warm-up forward too many", "warmup = min(P - 1 - rank, M)  # forwards",
+         "warmup = min(P - rank, M)  # forwards", "the same losses, but every rank holds one micro-batch more "
+         "than P - rank", "schedule_definitions", "one_f_one_b(2, 4, 0)"),
     ],
 
     "moe_ep.py": [
