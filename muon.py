@@ -248,11 +248,11 @@ def train(args, make_muon=make_muon):
         loss_sum = all_reduce_grads(adamw_params, loss_sum, ctx.world, comm)
         timeline.comm_span("AdamW grads all-reduce", t0, "all_reduce")
         clip = 1.0
-        if args.grad_clip > 0:  # ||g|| of ALL parameters, as on one rank: Muon's part global, AdamW's replicated
-            sq = sum((p.grad.float().square().sum() for p in adamw_params), muon.grad_sq_norm() if muon else 0.0)
-            clip = (args.grad_clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)  # a tensor: no host sync in the step
-            torch._foreach_mul_([p.grad for p in adamw_params], clip)
-        with timeline.compute("AdamW step"):
+        with timeline.compute("clip + AdamW step"):
+            if args.grad_clip > 0:  # ||g|| of ALL parameters, as on one rank: Muon's part global, AdamW's replicated
+                sq = sum((p.grad.float().square().sum() for p in adamw_params), muon.grad_sq_norm() if muon else 0.0)
+                clip = (args.grad_clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)  # a tensor: no host sync in the step
+                torch._foreach_mul_([p.grad for p in adamw_params], clip)
             adamw.step()
         if muon:  # Muon rides AdamW's warmup + cosine schedule; owners update, then the all-gather
             with timeline.compute("Newton-Schulz, every matrix" if args.naive else f"owner {ctx.rank}: Newton-Schulz"):

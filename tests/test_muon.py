@@ -376,6 +376,10 @@ def test_cli_naive_equals_owners_and_adamw_equals_gpt2(shakespeare, tmp_path):
     line = next(l for l in proc.stdout.splitlines() if "Newton-Schulz per step" in l)
     mine, every = (float(x) for x in re.findall(r"([0-9.]+) (?:GFLOP|for every)", line))
     assert mine == every, line  # the naive version orthogonalises every matrix on every rank
+    # and sends what the owners send, without their slab padding and clip scalar: 2(N-1)/N x S for the matrices
+    m, _, rest = muon.split_params(gpt2.build_model(make_args(shakespeare)), "muon")
+    theory = (2 * 0.5 * (sum(p.numel() for p in rest) + 1) * 4 + 2 * 0.5 * sum(p.numel() for p in m) * 4) / 1e6
+    assert [r["comm_mb"] for r in read_metrics(naive) if "loss" in r] == pytest.approx([theory] * 12, rel=1e-9)
 
     adam, base = str(tmp_path / "adam"), str(tmp_path / "base")
     six = ["--data", shakespeare, "--batch-size", "8", "--steps", "6"]  # 6 steps: the loop is the same every step
@@ -454,13 +458,13 @@ def timeline_run(rank, world, data, out):
 
 def test_timeline_draws_each_owner(shakespeare, tmp_path):
     """OUT/timeline.png of step 1: on each rank's row, forward + backward, the reduce-scatter of the Muon
-    gradients, the AdamW all-reduce and step, the owner's Newton-Schulz, then its gather, in that order."""
+    gradients, the AdamW all-reduce, the clip and AdamW step, the owner's Newton-Schulz, then its gather."""
     out = str(tmp_path / "run")
     rows = run_distributed(timeline_run, 2, shakespeare, out)[0]  # rank 0 draws: every rank's spans
     assert os.path.getsize(os.path.join(out, "timeline.png")) > 10_000
     for r in range(2):
         spans = {label: (kind, s, e) for rank, label, kind, s, e in rows if rank == r}
-        order = ["forward + backward", "Muon grads", "AdamW grads all-reduce", "AdamW step",
+        order = ["forward + backward", "Muon grads", "AdamW grads all-reduce", "clip + AdamW step",
                  f"owner {r}: Newton-Schulz", f"owner {r} gather"]
         assert list(spans) == order, (r, list(spans))
         assert [spans[k][0] for k in order] == ["compute", "reduce_scatter", "all_reduce", "compute", "compute", "all_gather"]
