@@ -68,10 +68,11 @@ EXERCISES = {
     "muon.py": [
         ("muon_update", "update the momentum (EMA form: lerp towards grad), take the Nesterov look-ahead, and "
                         "orthogonalise it as `parts` stacked row blocks"),
-        ("Muon.reduce_scatter_grads", "copy each gradient into its owner's slab of self.flat, reduce-scatter "
-                                      "into self.own and divide by the world size: the owners' mean gradients"),
-        ("Muon.all_gather_params", "all-gather every owner's updated matrices (self.send -> self.recv) and copy "
-                                   "the ones this rank does not own into the parameters"),
+        ("Muon.reduce_grads", "copy each gradient into its owner's slab of self.flat, reduce-scatter into "
+                              "self.own and divide by the world size: the owners' mean gradients"),
+        ("Muon.all_gather_params", "copy this rank's updated matrices into its slab (self.own), all-gather the "
+                                   "slabs into self.flat and copy the matrices this rank does not own into the "
+                                   "parameters"),
     ],
     "checkpoint.py": [
         ("write_durably", "write path.tmp, fsync it, rename it to path, fsync the directory; return (bytes, crc32)"),
@@ -177,6 +178,29 @@ BUGS = {
     ],
 
     "muon.py": [
+        ("owners sum", "            self.own /= self.world\n", "",
+         "2 ranks train exactly like 1 (Newton-Schulz removes the scale) but the clip sees a 2x gradient norm",
+         "distributed_muon_equals_one_rank", "Muon.reduce_grads"),
+        ("naive version sums", "        p.grad /= world\n", "        pass\n",
+         "--naive trains almost like the owners: only the clip coefficient sees the N x gradient",
+         "distributed_muon_equals_one_rank", "naive_all_reduce"),
+        ("Nesterov from the wrong side", "u = grad.lerp(momentum, beta) if nesterov else momentum",
+         "u = momentum.lerp(grad, beta) if nesterov else momentum",
+         "it trains, a little worse than it should: the look-ahead leans on the gradient, not the momentum",
+         "torch_muon", "differs from torch.optim.Muon"),
+        ("clip not applied to Muon", "self._view(self.own, i).mul_(clip_coef)", "self._view(self.own, i)",
+         "the loss curve looks right: a constant scale vanishes in Newton-Schulz, only a clip that varies shows",
+         "torch_muon", "the clip coefficient"),
+        ("the gather sends gradients", "        for i in self.mine:\n            self._view(self.own, i).copy_(self.params[i])\n", "",
+         "several ranks diverge from one after the first step: every rank but the owner reads the gradient slab",
+         "distributed_muon_equals_one_rank", "all_gather_params"),
+        ("--no-nesterov ignored", "nesterov=args.nesterov", "nesterov=True",
+         "every run uses Nesterov momentum, whatever the flag says", "flags_reach_muon", "--no-nesterov"),
+        ("--muon-scale ignored", "scale=args.muon_scale", 'scale="original"',
+         "--muon-scale match_rms_adamw changes the default lr but not the update's scale",
+         "flags_reach_muon", "match_rms_adamw"),
+        ("AdamW gradients summed", "    flat /= world\n", "",
+         "2 ranks log twice the loss of 1 rank", "curve_two_ranks", "train loss, muon.py 2 ranks"),
     ],
 
     "checkpoint.py": [
