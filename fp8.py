@@ -25,7 +25,7 @@ cuBLAS's block-scaled torch._scaled_mm on a GPU (cli picks it), MXFP8 and NVFP4 
     python fp8.py demo     # one outlier channel: one scale per tensor vs 1x128 tiles
     torchrun --nproc_per_node=2 fp8.py --fp8 off --device cpu --steps 60 --seq-len 64 --out out/fp8_off
     torchrun --nproc_per_node=2 fp8.py --device cpu --steps 60 --seq-len 64 --out out/fp8_on --compare-with out/fp8_off
-Read first: quantize_1x128, fp8_matmul, Fp8LinearFn, all_reduce_grads, train. Closed forms: the Appendix.
+Read first: quantize_1x128, fp8_matmul, Fp8LinearFn, all_reduce_grads, train. Closed forms: end of file.
 """
 import functools
 import os
