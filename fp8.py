@@ -693,8 +693,8 @@ def choose_to_fp8(args):
     if cap < (8, 9) and args.fp8 == "on":
         gpt2.fail(f"this GPU is sm_{cap[0]}{cap[1]}, fp8 tensor cores need sm_89 or newer", "--fp8",
                   "use --fp8 off, or --device cpu to emulate")
-    return functools.partial(convert_to_fp8, Linear=CublasFp8Linear), "1x128 tiles, " + \
-        "GEMM path: %s (%s)" % gemm_path(cap, torch.version.cuda, torch.__version__)
+    return functools.partial(convert_to_fp8, Linear=CublasFp8Linear), "1x128 tiles, CublasFp8Linear (its first " \
+        "GEMM prints the path: blockwise, rowwise or emulated, and why)"
 
 
 def check_format(args):

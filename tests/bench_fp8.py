@@ -383,12 +383,14 @@ def scaled_mm_check(dev="cuda"):
     multiple of 4: cuBLAS's padded scale rows). The CPU tests check these arguments only against a mock
     written from the same reading of cuBLAS; this is the real call. Exit 1 unless every case is within 1e-2."""
     torch.manual_seed(0)
-    x, w, dy = torch.randn(1024, 768), torch.randn(640, 768), torch.randn(1024, 640)
-    (xq, xs), (wq, ws), (dyq, dys) = fp8.quantize_1x128(x), fp8.quantize_128x128(w), fp8.quantize_1x128(dy)
-    (dytq, dyts), (xtq, xts) = fp8.quantize_1x128(dy.t()), fp8.quantize_1x128(x.t())
-    ok = True
-    for name, (a, sa, b, sb) in (("forward x @ W^T", (xq, xs, wq, ws)), ("dgrad dy @ W", (dyq, dys, wq.t(), ws.t())),
-                                 ("wgrad dy^T @ x", (dytq, dyts, xtq, xts))):
+    ok, cases = True, []
+    for tokens in (1024, 1000):  # a multiple of 128 (wgrad's operands unpadded) and not
+        x, w, dy = torch.randn(tokens, 768), torch.randn(640, 768), torch.randn(tokens, 640)
+        (xq, xs), (wq, ws), (dyq, dys) = fp8.quantize_1x128(x), fp8.quantize_128x128(w), fp8.quantize_1x128(dy)
+        (dytq, dyts), (xtq, xts) = fp8.quantize_1x128(dy.t()), fp8.quantize_1x128(x.t())
+        cases += [(f"forward x @ W^T, {tokens} tok", (xq, xs, wq, ws)), (f"dgrad dy @ W, {tokens} tok", (dyq, dys, wq.t(), ws.t())),
+                  (f"wgrad dy^T @ x, {tokens} tok", (dytq, dyts, xtq, xts))]
+    for name, (a, sa, b, sb) in cases:
         want = fp8.fp8_matmul(a, sa, b, sb)
         for out_dtype in (torch.float32, torch.bfloat16):
             try:
@@ -398,7 +400,7 @@ def scaled_mm_check(dev="cuda"):
                 ok &= err < 1e-2
             except (RuntimeError, NotImplementedError, ValueError) as e:
                 line, ok = f"FAIL: {str(e).splitlines()[0][:120]}", False
-            print(f"block-scaled _scaled_mm vs emulation, {name:16s} {str(out_dtype)[6:]:8s}: {line}")
+            print(f"block-scaled _scaled_mm vs emulation, {name:26s} {str(out_dtype)[6:]:8s}: {line}")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if dev == 'cuda' else dev}: " + ("PASS" if ok else "FAIL"))
     return ok
 

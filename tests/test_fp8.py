@@ -172,19 +172,19 @@ def block_scaled_contract(real_scaled_mm, calls, wrong=False):
     return scaled_mm
 
 
-@pytest.mark.parametrize("tokens", [256, 200])
-def test_block_scaled_operands_follow_torchs_contract(monkeypatch, capsys, tokens):
+@pytest.mark.parametrize("tokens,width", [(256, 640), (200, 600)])
+def test_block_scaled_operands_follow_torchs_contract(monkeypatch, capsys, tokens, width):
     """Issue 29: an H100's path through a whole Fp8Linear, forward, dgrad and wgrad, at a token count that is a
     multiple of 128 (256: wgrad's transposed operands need no padding, so a layout that keeps the transpose
     reaches cuBLAS column-major) and one that is not (200). Every call takes the block-scaled path (no
-    fallback), and the layer equals the core's emulated Fp8Linear."""
+    fallback), and the layer equals the core's emulated Fp8Linear. width 600: wgrad's N is not a multiple of 16."""
     calls = []
     monkeypatch.setattr(torch, "_scaled_mm", block_scaled_contract(torch._scaled_mm, calls))
     monkeypatch.setitem(fp8._gemm, "path", "blockwise")
     monkeypatch.setitem(fp8._gemm, "checked", set())
     torch.manual_seed(0)
-    lin = nn.Linear(640, 384)
-    x, g = torch.randn(tokens, 640), torch.randn(tokens, 384)
+    lin = nn.Linear(width, 384)
+    x, g = torch.randn(tokens, width), torch.randn(tokens, 384)
     outs = {}
     for name, Linear in (("cuBLAS stand-in", fp8.CublasFp8Linear), ("emulation", fp8.Fp8Linear)):
         layer = Linear.from_linear(lin)
