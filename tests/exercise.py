@@ -85,7 +85,7 @@ EXERCISES = {
     ],
     "fp8.py": [
         ("quantize_1x128", "one scale per row per 128 columns: amax / 448 (powers of 2 when pow2), e4m3 values"),
-        ("_fp8_matmul_emulated", "for each 128-wide K chunk: the fp8 chunk product in fp32, scaled by the row's "
+        ("fp8_matmul", "for each 128-wide K chunk: the fp8 chunk product in fp32, scaled by the row's "
                                  "and the column's chunk scales, accumulated in fp32"),
     ],
 }
@@ -175,6 +175,23 @@ BUGS = {
     ],
 
     "fp8.py": [
+        ("gradients summed over the ranks, not averaged", "    flat /= world\n", "    flat /= 1\n",
+         "the loss curve looks fine (AdamW and clipping hide a factor of 2); every gradient is twice the mean",
+         "gradients_after_all_reduce", "after fp8.all_reduce_grads"),
+        ("the column's chunk scale left out of the promotion", "acc += partial * a_scales[:, k, None] * b_rows[None, :, k]",
+         "acc += partial * a_scales[:, k, None]", "every fp8 output is off by the weight's scale (~1e-3): the loss "
+         "barely moves", "fp8_matmul_vs_fp64", "fp8 GEMM vs fp64"),
+        ("wgrad re-cuts x with amax/448 scales", "quantize_1x128(x_hp.t(), pow2=True)", "quantize_1x128(x_hp.t())",
+         "training works, a little noisier: x is rounded twice on its way to wgrad", "pow2_scales_make_the_wgrad",
+         "Fp8LinearFn's wgrad"),
+        ("power-of-2 scales rounded down", "(bits + 0x007FFFFF) & 0x7F800000", "bits & 0x7F800000",
+         "a tile's largest values exceed 448 and saturate", "pow2_scales_make_the_wgrad", "_pow2_up must round"),
+        ("no amax floor", "_pow2_up(amax.clamp(min=AMAX_FLOOR) / FP8_MAX) if pow2 else amax.clamp(min=AMAX_FLOOR) / FP8_MAX",
+         "_pow2_up(amax / FP8_MAX) if pow2 else amax / FP8_MAX", "NaN as soon as a tile is all zeros (0 / 0)",
+         "extreme_magnitudes", "AMAX_FLOOR"),
+        ("the logged loss summed over the ranks", "    return t / world\n", "    return t\n",
+         "2-rank runs log twice the loss of one process", "two_rank_training_fp8_vs_baseline",
+         "train loss, fp8.py --fp8 off 2 ranks"),
     ],
 
     "muon.py": [
