@@ -744,6 +744,7 @@ def cli(argv=None):
         gpt2.save_model(os.path.join(args.out, "model.pt"), model.config, sd)
     gpt2.print0(f"saved {args.out}/model.pt (gathered, gpt2 layout)")
     report(args, model, metrics)
+    return model, metrics
 
 
 if __name__ == "__main__":
