@@ -121,8 +121,8 @@ HINTS = {
 CHECKS = {
     "ddp.py": ("two_ranks_match_one_process", ("1.0 / self.world", "1.0")),  # gradients summed, not averaged
     "fsdp2.py": ("both_modes_match", ("out /= dist.get_world_size()", "out /= 1")),  # reduce-scatter summed
-    "tensor_parallel.py": ("parallel_layers_dtensor", ("return all_reduce(grad.contiguous(), ctx.grid), None",
-                                                       "return grad, None")),  # f's backward without its all-reduce
+    "tensor_parallel.py": ("parallel_layers_dtensor", ("return all_reduce(grad.contiguous(), ctx.grid, ctx.label), None, None",
+                                                       "return grad, None, None")),  # f's backward without its all-reduce
     "pipeline.py": ("two_ranks_every_schedule", ("out = self.model.head_loss(h, self.ys[mb]) * self.scale",
                                                  "out = self.model.head_loss(h, self.ys[mb])")),  # losses not scaled by 1/M
     "moe_ep.py": ("expert_parallel_equals_one_process", ("    flat /= world\n", "    flat /= n\n")),  # / EP group
@@ -144,6 +144,51 @@ BUGS = {
     ],
 
     "tensor_parallel.py": [
+        ("the loss all-reduces the row max but never subtracts it",
+         """        exp = (logits - row_max.unsqueeze(1)).exp_()  # (N, V/t): shifted, so exp never overflows
+        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is on this rank
+        local_t = (targets - lo).masked_fill(~mine, 0)  # (N,)
+        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)  # (N,)
+        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid, "loss sums")  # (2, N)
+        loss = (stats[0].log() + row_max - stats[1]).mean()""",
+         """        exp = logits.exp()  # (N, V/t)
+        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is on this rank
+        local_t = (targets - lo).masked_fill(~mine, 0)  # (N,)
+        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)  # (N,)
+        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid, "loss sums")  # (2, N)
+        loss = (stats[0].log() - stats[1]).mean()""",
+         "training from scratch matches gpt2.py; from OpenAI's weights (logits near 1000) the loss is inf or nan",
+         "parallel_layers_dtensor", "loss_offset1000"),
+        ("the attention's row-parallel bias added on every rank, before g",
+         "        x = x + (exit_tp(y, self.grid, g) + self.attn_bias)  # g, then the bias once",
+         "        x = x + exit_tp(y + self.attn_bias, self.grid, g)  # g, then the bias once",
+         "from scratch (zero biases) the first steps match gpt2.py, then the curves part; pretrained weights are off "
+         "from step 0", "parallel_layers_dtensor", "block_out"),
+        ("gradients summed over the DP group instead of averaged",
+         "torch.cat([g.reshape(-1) for g in grads]).div_(self.grid.dp)",
+         "torch.cat([g.reshape(-1) for g in grads])",
+         "TP x DP runs track gpt2.py closely (AdamW and clipping hide a constant gradient scale) but the gradients "
+         "are d times too large", "parallel_layers_dtensor", "gradient after sync_grads"),
+        ("the clip norm counts each replicated gradient t times",
+         'torch.linalg.vector_norm(p.grad.float()) ** 2 / (1 if hasattr(p, "tp_split") else grid.tp)',
+         "torch.linalg.vector_norm(p.grad.float()) ** 2",
+         "the curve drifts from gpt2.py's only while clipping is active (a slightly larger norm, a smaller step)",
+         "parallel_layers_dtensor", "clip_norm"),
+        ("g's backward all-reduces the gradient as well (f and g not conjugate)",
+         "        return grad, None, None",
+         '        return all_reduce(grad.contiguous(), ctx.grid, "g backward"), None, None',
+         "the loss is right at step 0 and wrong from step 1: every gradient below a row-parallel matmul is t times "
+         "too large", "parallel_layers_dtensor", "row_dx"),
+        ("the loss's backward subtracts the one-hot on every rank, not only on the target's owner",
+         "        one_hot = mine.to(softmax.dtype).unsqueeze(1)  # (N, 1): 1 where this rank holds the target, else 0",
+         "        one_hot = torch.ones_like(softmax[:, :1])  # (N, 1)",
+         "the loss is right at step 0, wrong from step 1; the embedding learns the wrong tokens",
+         "parallel_layers_dtensor", "loss_dwte"),
+        ("the vocab-parallel embedding's shard boundary off by one",
+         "    foreign = (idx < lo) | (idx >= hi)  # (B, T)",
+         "    foreign = (idx < lo) | (idx > hi)  # (B, T)",
+         "an IndexError on the first batch holding the token id t*V/t's boundary (25152 at TP=2), or a silently "
+         "doubled embedding row", "parallel_layers_dtensor", "vocab_parallel_embedding"),
     ],
 
     "pipeline.py": [
