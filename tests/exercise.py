@@ -138,6 +138,29 @@ CHECKS = {
 # Workshop material ("find the bug") and the measure of the tests: `--check` proves each is caught and named.
 BUGS = {
     "ddp.py": [
+        ("gradients summed, not averaged", "1.0 / self.world", "1.0",
+         "the loss follows gpt2.py's for ~20 steps (AdamW and clipping hide a constant scale), then drifts; one SGD "
+         "step moves every weight twice as far", "one_sgd_step_averages_the_gradients and plain", "(ratio 2.000,"),
+        ("naive: the all-reduced gradient not divided by N",
+         "            p.grad /= self.world  # the mean, as one process on the N-times-larger batch\n", "",
+         "--naive trains, a little off gpt2.py; one SGD step moves every weight twice as far",
+         "one_sgd_step_averages_the_gradients and naive", "(ratio 2.000,"),
+        ("wait on the last bucket only", "            self.wait(k, b)  # CUDA: the stream waits, not the host",
+         "            self.wait(k, self.buckets[-1])  # CUDA: the stream waits, not the host",
+         "every loss curve matches (gloo and NCCL finish collectives in order), but the gradients are handed out "
+         "before their own all-reduce was waited for", "every_bucket_waited and plain", "not waited for"),
+        ("ZeRO-2 with one bucket in flight", "    in_flight = 2  #", "    in_flight = 1  #",
+         "every curve matches; backward waits on each previous bucket's reduce-scatter (bench_ddp.py: blocked ms)",
+         "zero2_keeps_two_buckets_in_flight", "reduce-scatters in flight (expected 2"),
+        ("buckets in forward order", "bucket_params(list(reversed(self.params)), cap)",
+         "bucket_params(self.params, cap)",
+         "the same losses, but bucket 0 holds wte, whose gradient lands last: nothing starts during backward, the "
+         "exposed communication line shows no gain", "buckets_launched_during_backward", "launched during backward"),
+        ("no_sync forgotten in the loop",
+         "            with ddp.no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext():",
+         "            with contextlib.nullcontext():",
+         "with --grad-accum 2 the loss leaves gpt2.py's at step 1: each micro-step's hooks take the gradient "
+         "again, the first micro-batch's is lost", "two_ranks_match_one_process", "train loss, ddp.py --grad-accum 2"),
     ],
 
     "fsdp2.py": [

@@ -47,7 +47,7 @@ def test_ddp_exercise_fails_reference_passes_bug_points_at_it(tmp_path):
     (tmp_path / "bug" / "ddp.py").write_text(text.replace("1.0 / self.world", "1.0"))  # a sum, not a mean
     proc = pytest_on(tmp_path / "bug", tmp_path / "t3")
     assert proc.returncode == 1 and "what differs" in proc.stdout, proc.stdout[-3000:]
-    assert "step 1: " in proc.stdout and "the values before it agree" in proc.stdout, proc.stdout[-3000:]
+    assert "the values before it agree" in proc.stdout, proc.stdout[-3000:]  # AdamW hides the scale for ~20 steps
     assert "are gradients divided by the world size" in proc.stdout
 
 
