@@ -162,6 +162,14 @@ def worker(name, argv, result):
         return start_step(self)
 
     gpt2.Metrics.start_step = marked_start_step
+    next_batch = gpt2.DataLoader.next_batch
+
+    def next_batch_on_device(self, device=None):
+        """next_batch(device) hands back device memory on CUDA: fresh storages here, no longer host-born."""
+        x, y = next_batch(self, device)
+        return (x.clone(), y.clone()) if device is not None else (x, y)
+
+    gpt2.DataLoader.next_batch = next_batch_on_device
     sys.argv = [os.path.join(ROOT, name), *argv]
     try:
         with dispatch, function:
