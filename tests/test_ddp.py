@@ -248,8 +248,8 @@ def test_two_ranks_match_one_process(random_data, baseline, tmp_path):
     # 2 ranks x 2 rows x --grad-accum 2 = gpt2.py's 8 rows: the core's no_sync path, 60 steps
     out = str(tmp_path / "ddp")
     proc = run_cli(["ddp.py"] + CFG + ["--data", random_data, "--steps", str(STEPS), "--batch-size", "2",
-                                       "--grad-accum", "2", "--bucket-mb", "2", "--overlap-steps", "2", "--out", out],
-                   nproc=2)
+                                       "--grad-accum", "2", "--bucket-mb", "2", "--overlap-steps", "2",
+                                       "--eval-steps", "4", "--out", out], nproc=2)  # val: the same 16 rows
     # the first steps agree to ~1e-7 (fp32, only the summation order differs: one float32 ulp of 10.8 is 8.8e-8
     # relative); the difference compounds with the steps
     ours, ref = train_losses(out), train_losses(baseline)
