@@ -197,6 +197,10 @@ def test_every_bucket_waited_for_before_its_gradient_is_read(units, kind):
     results, _ = units
     for accum in (1, 2):
         log = results[0][kind, accum][1]
+        compare(f"bucket collectives not yet waited for when finish_grad_sync returned, {kind} --grad-accum {accum}",
+                [log["left_pending"]], [0], 0, steps=[0],
+                hint="wait on every bucket's own work (b.work) before handing out p.grad: a bucket read before its "
+                     "wait holds this rank's gradient, not the mean (NCCL: the stream has not waited for it)")
         assert log["left_pending"] == 0, f"{kind} --grad-accum {accum}: finish_grad_sync returned with " \
                                          f"{log['left_pending']} of {log['issued']} bucket collectives not waited " \
                                          f"for: wait on every bucket's own work (b.work) before handing out p.grad"
@@ -207,6 +211,9 @@ def test_zero2_keeps_two_buckets_in_flight(units):
     for accum in (1, 2):
         log = results[0]["zero2", accum][1]
         assert log["issued"] >= 4 * accum, log["issued"]
+        compare(f"most reduce-scatters in flight at once, ZeRO-2 --grad-accum {accum}", [log["most_in_flight"]], [2],
+                0, steps=[0], hint="launching bucket k first waits for bucket k - in_flight; in_flight = 2 keeps two "
+                                   "reduce-scatters under backward")
         assert log["most_in_flight"] == ddp.ZeRO2DataParallel.in_flight == 2, \
             f"ZeRO-2 --grad-accum {accum}: at most {log['most_in_flight']} reduce-scatters in flight (expected 2: " \
             f"launching bucket k waits for bucket k-2, so backward overlaps two; in_flight = " \
@@ -221,6 +228,9 @@ def test_buckets_launched_during_backward(units):
     results, _ = units
     state, log, n_params = results[0]["plain", 1]
     early = sum(seen < n_params - 1 for seen in log["grads_seen_at_issue"])
+    compare("buckets launched during backward (before its last gradient landed), DataParallel", [early],
+            [log["issued"] - 1], 0, steps=[0], hint="the buckets in reverse parameter order (about the order backward "
+                                                     "finishes the gradients), each launched from the hook when complete")
     assert log["after_backward"] == log["issued"]  # every bucket complete when backward returns
     assert early >= log["issued"] - 1, f"{early} of {log['issued']} buckets launched during backward (before " \
                                        f"its last gradient landed); expected all but the last: are the buckets " \
@@ -248,8 +258,8 @@ def test_two_ranks_match_one_process(random_data, baseline, tmp_path):
     # 2 ranks x 2 rows x --grad-accum 2 = gpt2.py's 8 rows: the core's no_sync path, 60 steps
     out = str(tmp_path / "ddp")
     proc = run_cli(["ddp.py"] + CFG + ["--data", random_data, "--steps", str(STEPS), "--batch-size", "2",
-                                       "--grad-accum", "2", "--bucket-mb", "2", "--overlap-steps", "2", "--out", out],
-                   nproc=2)
+                                       "--grad-accum", "2", "--bucket-mb", "2", "--overlap-steps", "2",
+                                       "--eval-steps", "4", "--out", out], nproc=2)  # val: the same 16 rows
     # the first steps agree to ~1e-7 (fp32, only the summation order differs: one float32 ulp of 10.8 is 8.8e-8
     # relative); the difference compounds with the steps
     ours, ref = train_losses(out), train_losses(baseline)
