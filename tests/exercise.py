@@ -92,9 +92,10 @@ HINTS = {
     "test_ddp": "a loss that differs from step 1 on: are gradients divided by the world size (a mean, not a sum), "
                 "and every bucket waited for before the optimizer step? A hang or a timeout: do all ranks launch "
                 "the buckets in the same order?",
-    "test_fsdp2": "different from step 1 on: is the reduce-scatter a SUM then divided by the world size, and does "
-                  "each rank's row k hold rank k's rows of every gradient? A crash in backward ('modified by an "
-                  "inplace operation'): refill the padded tensor through .data, keep the tensor, free its storage.",
+    "test_fsdp2": "a gradient N times one process's: the reduce-scatter is a SUM, divide by the world size (all the "
+                  "ranks, also under HSDP); smaller at --grad-accum 2: add into the slice's .grad; gathered weights "
+                  "above the root + 2 units: reshard after each forward and backward. A crash in backward ('modified "
+                  "by an inplace operation'): refill the padded tensor through .data, keep the tensor, free its storage.",
     "test_tensor_parallel": "wrong from step 0: f and g are conjugates (f: identity forward, all-reduce backward; g: "
                             "all-reduce forward, identity backward) and the row-parallel bias is added once, after g; "
                             "the loss needs the global row max and the global sum of exp.",
