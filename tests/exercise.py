@@ -30,12 +30,15 @@ EXERCISES = {
         ("DataParallel.wait", "wait for the bucket's all-reduce, if one is in flight, and forget its work"),
     ],
     "fsdp2.py": [
+        ("NaiveZeRO3.reduce_scatter_grads", "after backward, for each parameter: its gradient cut into N row-blocks "
+                                            "(torch._chunk_cat), reduce-scatter (SUM), / N, added into the slice's "
+                                            ".grad; then free the full gradient and weight"),
         ("ShardedUnit.unshard", "wait for the unit's all-gather (start_gather issues it), give each padded "
-                                "parameter its storage back and copy every rank's rows into it"),
+                                "parameter its storage back and copy every rank's rows into it (one copy)"),
         ("ShardedUnit.reshard", "free each padded parameter's storage (resize it to 0 bytes), keeping the tensor"),
-        ("ShardedUnit.reduce_scatter_grads", "lay the full gradients out as the gathered buffer (row k = rank k's "
-                                             "rows, fp32) and reduce-scatter (SUM) it asynchronously; return "
-                                             "(work, out, buf)"),
+        ("ShardedUnit.reduce_scatter_grads", "lay the full gradients out rank-major in one fp32 buffer (N, "
+                                             "shard_numel) with one copy, reduce-scatter (SUM) it asynchronously; "
+                                             "return (work, out, buf, issue time)"),
     ],
     "tensor_parallel.py": [
         ("CopyToTP.backward", "f's backward: all-reduce (sum) the input gradient over the TP group"),
@@ -95,9 +98,10 @@ HINTS = {
     "test_ddp": "a loss that differs from step 1 on: are gradients divided by the world size (a mean, not a sum), "
                 "and every bucket waited for before the optimizer step? A hang or a timeout: do all ranks launch "
                 "the buckets in the same order?",
-    "test_fsdp2": "different from step 1 on: is the reduce-scatter a SUM then divided by the world size, and does "
-                  "each rank's row k hold rank k's rows of every gradient? A crash in backward ('modified by an "
-                  "inplace operation'): refill the padded tensor through .data, keep the tensor, free its storage.",
+    "test_fsdp2": "a gradient N times one process's: the reduce-scatter is a SUM, divide by the world size (all the "
+                  "ranks, also under HSDP); smaller at --grad-accum 2: add into the slice's .grad; gathered weights "
+                  "above the root + 2 units: reshard after each forward and backward. A crash in backward ('modified "
+                  "by an inplace operation'): refill the padded tensor through .data, keep the tensor, free its storage.",
     "test_tensor_parallel": "wrong from step 0: f and g are conjugates (f: identity forward, all-reduce backward; g: "
                             "all-reduce forward, identity backward) and the row-parallel bias is added once, after g; "
                             "the loss needs the global row max and the global sum of exp.",
@@ -120,7 +124,7 @@ HINTS = {
 # (the original line, the bug), expected to fail with a `what differs` section or the hint.
 CHECKS = {
     "ddp.py": ("two_ranks_match_one_process", ("1.0 / self.world", "1.0")),  # gradients summed, not averaged
-    "fsdp2.py": ("both_modes_match", ("out /= dist.get_world_size()", "out /= 1")),  # reduce-scatter summed
+    "fsdp2.py": ("gradients_after_one_step", ("out /= dist.get_world_size()", "out /= 1")),  # reduce-scatter summed
     "tensor_parallel.py": ("parallel_layers_dtensor", ("return all_reduce(grad.contiguous(), ctx.grid, ctx.label), None, None",
                                                        "return grad, None, None")),  # f's backward without its all-reduce
     "pipeline.py": ("two_ranks_every_schedule", ("out = self.model.head_loss(h, self.ys[mb]) * self.scale",
@@ -164,6 +168,25 @@ BUGS = {
     ],
 
     "fsdp2.py": [
+        ("reduce-scatter summed, not averaged", "out /= dist.get_world_size()  # a mean", "out /= 1  # a mean",
+         "the loss curve barely moves (AdamW and clipping hide a constant scale), but every gradient is N times one "
+         "process's", "gradients_after_one_step_and", "a SUM over the ranks where a mean belongs"),
+        ("micro-steps overwritten, not accumulated",
+         "s.grad = piece.view_as(s) if s.grad is None else s.grad + piece.view_as(s)", "s.grad = piece.view_as(s)",
+         "right at --grad-accum 1; at 2 only the last micro-batch's gradient survives", "gradients_after_one_step_and",
+         "--grad-accum 2, one step vs one process"),
+        ("HSDP replicas summed: the mean over the shard group only", "out /= dist.get_world_size()  # a mean",
+         "out /= dist.get_world_size(unit.group)  # a mean", "plain FSDP is right; with --replicate 2 every gradient "
+         "is twice one process's", "hsdp_gradients", "hsdp, 4 ranks"),
+        ("--naive: gradients summed, not averaged", "s.grad = out.view_as(s) / self.world + ",
+         "s.grad = out.view_as(s) + ", "the real version is right; --naive's gradients are N times one process's",
+         "gradients_after_one_step_and", "naive, 2 ranks"),
+        ("every rank keeps rank 0's rows", "self.world)[dist.get_rank(group)]", "self.world)[0]",
+         "the sharded model is not the model: rank 1's slices hold rank 0's rows", "gradients_after_one_step_and",
+         "wrong rows"),
+        ("units never freed after forward", "unit.reshard()  # ZeRO-3: free", "pass  # ZeRO-3: free",
+         "the same losses, but every unit stays gathered from its forward to its backward (SHARD_GRAD_OP's memory)",
+         "gradients_after_one_step_and", "is each unit freed"),
     ],
 
     "tensor_parallel.py": [
