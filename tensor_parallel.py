@@ -684,6 +684,22 @@ def print_activation_memory(model, args, ctx):
     model.grid.meter.take_mb()
 
 
+def save_zoomed_timelines(args, model, ctx):
+    """OUT/timeline_forward.png and OUT/timeline_backward.png: the blocks' stretch of the recorded step alone
+    (forward: from the embedding's g to the loss; backward: from the head's f to the clip norm), where each
+    block's compute and its f and g are wide enough to read. Every rank calls it (the pictures gather)."""
+    spans = model.grid.timeline.spans
+    labels = [s[0] for s in spans]
+    for part, after, before in (("forward", "embedding g", "loss max"), ("backward", "head f", "clip norm")):
+        lo = labels.index(after) + 1 if after in labels else len(spans)
+        hi = labels.index(before, lo) - 1 if before in labels[lo:] else len(spans)  # without the compute before it
+        zoom = gpt2.Timeline(ctx, record_step=model.grid.timeline.record_step)
+        zoom.spans = [s for s in spans[lo:hi] if s[3] is not None]
+        zoom.t0 = zoom.spans[0][2] if zoom.spans else None
+        zoom.save(os.path.join(args.out, f"timeline_{part}.png"), title=f"the blocks in {part}: each block's compute "
+                  f"(upper bar), its f and g all-reduces (lower bar), issue to completion")
+
+
 def report(args, model, metrics):
     """After the run: the bytes each step sent beside their closed form, then the activation probe."""
     ctx, grid = metrics.ctx, model.grid
@@ -692,6 +708,7 @@ def report(args, model, metrics):
     sent = [r["comm_mb"] for r in metrics.records if "comm_mb" in r]
     gpt2.print0(f"communication per step per rank: {min(sent):.3f} .. {max(sent):.3f} MB measured over "
                 f"{len(sent)} steps, {closed:.3f} MB closed form | {n_local / 1e6:.2f}M params on this rank")
+    save_zoomed_timelines(args, model, ctx)
     if args.compile:
         return
     print_activation_memory(model, args, ctx)

@@ -221,8 +221,15 @@ BUGS = {
          "the curve drifts from gpt2.py's only while clipping is active (a slightly larger norm, a smaller step)",
          "parallel_layers_dtensor", "clip_norm"),
         ("g's backward all-reduces the gradient as well (f and g not conjugate)",
-         "        return grad, None, None",
-         '        return all_reduce(grad.contiguous(), ctx.grid, "g backward"), None, None',
+         """        return all_reduce(x, grid, label)
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None""",
+         """        ctx.grid = grid
+        return all_reduce(x, grid, label)
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.grid, "g backward"), None, None""",
          "the loss is right at step 0 and wrong from step 1: every gradient below a row-parallel matmul is t times "
          "too large", "parallel_layers_dtensor", "row_dx"),
         ("the loss's backward subtracts the one-hot on every rank, not only on the target's owner",

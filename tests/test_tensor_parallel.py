@@ -475,7 +475,8 @@ def test_training_matches_gpt2(random_data, tmp_path, monkeypatch):
     labels = two[0][1]
     expected = {f"block {k} {fg}" for k in range(2) for fg in "fg"} | {"embedding g", "loss max", "head f", "block 0"}
     assert expected <= set(labels), f"timeline labels {labels} lack {sorted(expected - set(labels))}"
-    assert (tmp_path / "tp2" / "timeline.png").stat().st_size > 10_000
+    for picture in ("timeline.png", "timeline_forward.png", "timeline_backward.png"):
+        assert (tmp_path / "tp2" / picture).stat().st_size > 10_000, f"OUT/{picture} missing or empty"
 
 
 def _diverge(rank, world, argv):
