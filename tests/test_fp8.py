@@ -377,12 +377,31 @@ def _gradients(rank, world):
     return {name: p.grad.numpy() for name, p in model.named_parameters()}  # numpy: pickled whole across processes
 
 
-def test_gradients_after_all_reduce_are_the_mean_of_the_ranks():
+def _two_rank_runs(rank, world, data, out):
+    """Every 2-rank run of this file in one launch (a spawn costs ~20 s on 2 busy cores): the gradients after
+    one all_reduce_grads, --grad-accum 2 with fp8 off, then --fp8 off and --fp8 on, each in its own --out, the
+    last comparing itself with the one before (--compare-with). Rank 0 returns (gradients, final-loss gap)."""
+    grads = _gradients(rank, world)
+    fp8.cli(TRAIN + ["--batch-size", "2", "--grad-accum", "2", "--fp8", "off", "--data", data, "--out", out + "_accum"])
+    base = TRAIN + ["--batch-size", "4", "--data", data]
+    fp8.cli(base + ["--out", out + "_off", "--fp8", "off"])
+    torch.distributed.barrier()  # rank 0 has written the last record before any rank reads it
+    return grads, fp8.cli(base + ["--out", out + "_on", "--fp8", "on", "--compare-with", out + "_off"])
+
+
+@pytest.fixture(scope="module")
+def two_ranks(shakespeare, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("two_ranks") / "dp")
+    grads, gap = run_distributed(_two_rank_runs, 2, shakespeare, out, timeout=600)[0]
+    return {"out": out, "grads": grads, "gap": gap}
+
+
+def test_gradients_after_all_reduce_are_the_mean_of_the_ranks(two_ranks):
     """Issue 31: the gradient after fp8.all_reduce_grads on 2 ranks (2 rows each) equals one process's on all
     4 rows, tensor by tensor, before any optimizer (AdamW and clipping hide a constant factor from the loss).
     128 tokens per rank: the wgrad token tiles are the same 128-token tiles as one process's, so the fp8
     quantization is identical and only the fp32 summation order differs (measured ~1e-7)."""
-    two, one = ({k: torch.from_numpy(v) for k, v in g.items()} for g in (run_distributed(_gradients, 2)[0], _gradients(0, 1)))
+    two, one = ({k: torch.from_numpy(v) for k, v in g.items()} for g in (two_ranks["grads"], _gradients(0, 1)))
     for name in one:
         assert_close(f"norm of the gradient of {name} after fp8.all_reduce_grads, 2 ranks vs one process",
                      [two[name].norm()], [one[name].norm()], 1e-5,
@@ -392,16 +411,11 @@ def test_gradients_after_all_reduce_are_the_mean_of_the_ranks():
                              f"(norm ratio {(two[name].norm() / one[name].norm()).item():.3f}; a sum gives 2.000)"
 
 
-def _grad_accum_off(rank, world, data, out):
-    return fp8.cli(TRAIN + ["--batch-size", "2", "--grad-accum", "2", "--fp8", "off", "--data", data, "--out", out])
-
-
-def test_grad_accum_2_two_ranks_equals_gpt2(shakespeare, tmp_path):
+def test_grad_accum_2_two_ranks_equals_gpt2(two_ranks, shakespeare, tmp_path):
     """Issue 31: --grad-accum 2 on 2 ranks (fp8 off: exact) follows gpt2.py's one process with the same global
     batch (4 rows x 2 micro-batches): every micro-batch's loss / 2, the ranks' gradients averaged."""
-    run_distributed(_grad_accum_off, 2, shakespeare, str(tmp_path / "dp"), timeout=300)
     gpt2.train(TRAIN + ["--batch-size", "4", "--grad-accum", "2", "--data", shakespeare, "--out", str(tmp_path / "one")])
-    assert_close("train loss, fp8.py --fp8 off --grad-accum 2, 2 ranks fp32 vs gpt2.py", train_losses(str(tmp_path / "dp")),
+    assert_close("train loss, fp8.py --fp8 off --grad-accum 2, 2 ranks fp32 vs gpt2.py", train_losses(two_ranks["out"] + "_accum"),
                  train_losses(str(tmp_path / "one")), 1e-5,
                  hint="each micro-batch's loss / grad_accum, gradients averaged over the ranks after the last one")
 
@@ -410,18 +424,8 @@ TRAIN = ["--device", "cpu", "--dtype", "float32", "--n-layer", "2", "--n-embd", 
          "--steps", "16", "--warmup", "4", "--lr", "2e-3", "--eval-every", "0"]
 
 
-def _train_off_then_on(rank, world, data, out):
-    """Both modes in one 2-rank process group (one launch), each in its own --out, the second comparing
-    itself with the first (--compare-with); rank 0 returns the final-loss gap."""
-    base = TRAIN + ["--batch-size", "4", "--data", data]
-    fp8.cli(base + ["--out", out + "_off", "--fp8", "off"])
-    torch.distributed.barrier()  # rank 0 has written the last record before any rank reads it
-    return fp8.cli(base + ["--out", out + "_on", "--fp8", "on", "--compare-with", out + "_off"])
-
-
-def test_two_rank_training_fp8_vs_baseline_vs_gpt2(shakespeare, tmp_path):
-    out = str(tmp_path / "dp")
-    gap = run_distributed(_train_off_then_on, 2, shakespeare, out, timeout=300)[0]
+def test_two_rank_training_fp8_vs_baseline_vs_gpt2(two_ranks, shakespeare, tmp_path):
+    out, gap = two_ranks["out"], two_ranks["gap"]
     gpt2.train(TRAIN + ["--batch-size", "8", "--data", shakespeare, "--out", str(tmp_path / "single")])
 
     single = train_losses(str(tmp_path / "single"))
