@@ -181,6 +181,8 @@ def test_muon_steps_equal_torch_muon(scale, nesterov):
         ref.step()
         for i, (p, q, b) in enumerate(zip(ours, theirs, before)):
             err = rel(p.detach() - b, q.detach() - b)
+            compare(f"Muon's update of matrix {i} vs torch.optim.Muon's, clip {clip} (1 + rel. error)", [1 + err], [1.0],
+                    1e-5, [step], "momentum (lerp), the Nesterov look-ahead, the clip coefficient, the update scale")
             assert err < 1e-5, f"step {step}, matrix {i}: the update differs from torch.optim.Muon's by {err:.1e} " \
                                f"(relative; expected < 1e-5): momentum (lerp), Nesterov, the clip coefficient, the scale?"
             assert torch.allclose(opt.momentum_buf[i], ref.state[q]["momentum_buffer"], atol=1e-6), (step, i)
@@ -267,11 +269,16 @@ def test_distributed_muon_equals_one_rank(world=4):  # 2 ranks: the CLI tests be
                 assert err < 1e-6, f"Muon.reduce_grads, step {step}: rank {r} owns matrix {i} with a gradient " \
                                    f"{owned[step][i].norm() / means[step][i].norm():.3f} x the mean's norm ({mean_hint})"
             for i, g in enumerate(naive[step]):
+                compare(f"naive_all_reduce: rank {r}'s gradient of matrix {i} vs the ranks' mean (1 + rel. error)",
+                        [1 + rel(g, means[step][i])], [1.0], 1e-6, [step], "all-reduce (SUM), then / world")
                 assert rel(g, means[step][i]) < 1e-6, f"naive_all_reduce, step {step}: rank {r}'s gradient of matrix " \
                     f"{i} is {g.norm() / means[step][i].norm():.3f} x the mean's norm (all-reduce SUM, then / world)"
         assert_close(f"global Muon gradient norm per step, rank {r} of {world} vs one rank on the mean gradients",
                      rank_norms, norms, 1e-5, hint="grad_sq_norm: each owner's own matrices, all-reduced once")
         for i, (p, q) in enumerate(zip(ps, params)):
+            compare(f"matrix {i} after 3 steps, rank {r} of {world} vs one rank (1 + rel. error)", [1 + rel(p, q.detach())],
+                    [1.0], 1e-5, [2], "all_gather_params: the owners' updated matrices into their slabs, gathered, "
+                    "copied into the matrices this rank does not own")
             assert torch.allclose(p, q.detach(), atol=1e-6, rtol=0), \
                 f"rank {r}, matrix {i} after 3 steps differs from one rank by {(p - q).abs().max():.1e} " \
                 f"(all_gather_params: every rank copies in the matrices it does not own)"
