@@ -47,10 +47,15 @@ EXERCISES = {
                                               "softmax for backward"),
     ],
     "pipeline.py": [
+        ("naive_step", "all M forwards (stage > 0: dist.recv the activation from the rank above; pipe.compute("
+                       "Op('F', s, mb), h); not the last stage: dist.send the output down), then all M backwards the "
+                       "same way up (the output's gradient from below, the input's gradient sent up); pipe.start "
+                       "first, return pipe.loss_sum"),
         ("one_f_one_b", "1F1B's op list for one rank: P-1-rank warm-up forwards, then one forward one backward, "
                         "then the remaining backwards"),
-        ("Pipeline.run", "one step: issue the receives planned before the first op, then for each op: receive, "
-                         "compute, send (with the batch planned after it); wait for the sends; return the loss"),
+        ("Pipeline.run", "one step: self.start(x, y, scale), issue the receives planned before the first op, then "
+                         "for each op: wait for its planned receive (self.inbox[message_in(op, S)]), compute, send "
+                         "(with the batch planned after it); wait for the sends; return self.loss_sum"),
     ],
     "moe_ep.py": [
         ("AllToAll.backward", "the gradient of a received row goes back to its sender: the same exchange with the "
@@ -80,7 +85,7 @@ EXERCISES = {
     ],
     "fp8.py": [
         ("quantize_1x128", "one scale per row per 128 columns: amax / 448 (powers of 2 when pow2), e4m3 values"),
-        ("_fp8_matmul_emulated", "for each 128-wide K chunk: the fp8 chunk product in fp32, scaled by the row's "
+        ("fp8_matmul", "for each 128-wide K chunk: the fp8 chunk product in fp32, scaled by the row's "
                                  "and the column's chunk scales, accumulated in fp32"),
     ],
 }
@@ -116,10 +121,10 @@ HINTS = {
 CHECKS = {
     "ddp.py": ("two_ranks_match_one_process", ("1.0 / self.world", "1.0")),  # gradients summed, not averaged
     "fsdp2.py": ("both_modes_match", ("out /= dist.get_world_size()", "out /= 1")),  # reduce-scatter summed
-    "tensor_parallel.py": ("parallel_layers_dtensor", ("return all_reduce(grad.contiguous(), ctx.grid), None",
-                                                       "return grad, None")),  # f's backward without its all-reduce
-    "pipeline.py": ("two_ranks_every_schedule", ("out = self.model.head_loss(h, ys[mb]) * self.scale",
-                                                 "out = self.model.head_loss(h, ys[mb])")),  # losses not scaled by 1/M
+    "tensor_parallel.py": ("parallel_layers_dtensor", ("return all_reduce(grad.contiguous(), ctx.grid, ctx.label), None, None",
+                                                       "return grad, None, None")),  # f's backward without its all-reduce
+    "pipeline.py": ("two_ranks_every_schedule", ("out = self.model.head_loss(h, self.ys[mb]) * self.scale",
+                                                 "out = self.model.head_loss(h, self.ys[mb])")),  # losses not scaled by 1/M
     "moe_ep.py": ("expert_parallel_equals_one_process", ("    flat /= world\n", "    flat /= n\n")),  # / EP group
     "fp8.py": ("fp8_matmul_vs_fp64", ("acc += partial * a_scales[:, k, None] * b_rows[None, :, k]",
                                       "acc += partial * a_scales[:, k, None] * b_rows[None, :, 0]")),  # every chunk, chunk 0's scale
@@ -133,21 +138,128 @@ CHECKS = {
 # Workshop material ("find the bug") and the measure of the tests: `--check` proves each is caught and named.
 BUGS = {
     "ddp.py": [
+        ("gradients summed, not averaged", "1.0 / self.world", "1.0",
+         "the loss follows gpt2.py's for ~20 steps (AdamW and clipping hide a constant scale), then drifts; one SGD "
+         "step moves every weight twice as far", "one_sgd_step_averages_the_gradients and plain", "(ratio 2.000,"),
+        ("naive: the all-reduced gradient not divided by N",
+         "            p.grad /= self.world  # the mean, as one process on the N-times-larger batch\n", "",
+         "--naive trains, a little off gpt2.py; one SGD step moves every weight twice as far",
+         "one_sgd_step_averages_the_gradients and naive", "(ratio 2.000,"),
+        ("wait on the last bucket only", "            self.wait(k, b)  # CUDA: the stream waits, not the host",
+         "            self.wait(k, self.buckets[-1])  # CUDA: the stream waits, not the host",
+         "every loss curve matches (gloo and NCCL finish collectives in order), but the gradients are handed out "
+         "before their own all-reduce was waited for", "every_bucket_waited and plain", "not waited for"),
+        ("ZeRO-2 with one bucket in flight", "    in_flight = 2  #", "    in_flight = 1  #",
+         "every curve matches; backward waits on each previous bucket's reduce-scatter (bench_ddp.py: blocked ms)",
+         "zero2_keeps_two_buckets_in_flight", "reduce-scatters in flight (expected 2"),
+        ("buckets in forward order", "bucket_params(list(reversed(self.params)), cap)",
+         "bucket_params(self.params, cap)",
+         "the same losses, but bucket 0 holds wte, whose gradient lands last: nothing starts during backward, the "
+         "exposed communication line shows no gain", "buckets_launched_during_backward", "launched during backward"),
+        ("no_sync forgotten in the loop",
+         "            with ddp.no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext():",
+         "            with contextlib.nullcontext():",
+         "with --grad-accum 2 the loss leaves gpt2.py's at step 1: each micro-step's hooks take the gradient "
+         "again, the first micro-batch's is lost", "two_ranks_match_one_process", "train loss, ddp.py --grad-accum 2"),
     ],
 
     "fsdp2.py": [
     ],
 
     "tensor_parallel.py": [
+        ("the loss all-reduces the row max but never subtracts it",
+         """        exp = (logits - row_max.unsqueeze(1)).exp_()  # (N, V/t): shifted, so exp never overflows
+        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is on this rank
+        local_t = (targets - lo).masked_fill(~mine, 0)  # (N,)
+        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)  # (N,)
+        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid, "loss sums")  # (2, N)
+        loss = (stats[0].log() + row_max - stats[1]).mean()""",
+         """        exp = logits.exp()  # (N, V/t)
+        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is on this rank
+        local_t = (targets - lo).masked_fill(~mine, 0)  # (N,)
+        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)  # (N,)
+        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid, "loss sums")  # (2, N)
+        loss = (stats[0].log() - stats[1]).mean()""",
+         "training from scratch matches gpt2.py; from OpenAI's weights (logits near 1000) the loss is inf or nan",
+         "parallel_layers_dtensor", "loss_offset1000"),
+        ("the attention's row-parallel bias added on every rank, before g",
+         "        x = x + (exit_tp(y, self.grid, g) + self.attn_bias)  # g, then the bias once",
+         "        x = x + exit_tp(y + self.attn_bias, self.grid, g)  # g, then the bias once",
+         "from scratch (zero biases) the first steps match gpt2.py, then the curves part; pretrained weights are off "
+         "from step 0", "parallel_layers_dtensor", "block_out"),
+        ("gradients summed over the DP group instead of averaged",
+         "torch.cat([g.reshape(-1) for g in grads]).div_(self.grid.dp)",
+         "torch.cat([g.reshape(-1) for g in grads])",
+         "TP x DP runs track gpt2.py closely (AdamW and clipping hide a constant gradient scale) but the gradients "
+         "are d times too large", "parallel_layers_dtensor", "gradient after sync_grads"),
+        ("the clip norm counts each replicated gradient t times",
+         'torch.linalg.vector_norm(p.grad.float()) ** 2 / (1 if hasattr(p, "tp_split") else grid.tp)',
+         "torch.linalg.vector_norm(p.grad.float()) ** 2",
+         "the curve drifts from gpt2.py's only while clipping is active (a slightly larger norm, a smaller step)",
+         "parallel_layers_dtensor", "clip_norm"),
+        ("g's backward all-reduces the gradient as well (f and g not conjugate)",
+         "        return grad, None, None",
+         '        return all_reduce(grad.contiguous(), ctx.grid, "g backward"), None, None',
+         "the loss is right at step 0 and wrong from step 1: every gradient below a row-parallel matmul is t times "
+         "too large", "parallel_layers_dtensor", "row_dx"),
+        ("the loss's backward subtracts the one-hot on every rank, not only on the target's owner",
+         "        one_hot = mine.to(softmax.dtype).unsqueeze(1)  # (N, 1): 1 where this rank holds the target, else 0",
+         "        one_hot = torch.ones_like(softmax[:, :1])  # (N, 1)",
+         "the loss is right at step 0, wrong from step 1; the embedding learns the wrong tokens",
+         "parallel_layers_dtensor", "loss_dwte"),
+        ("the vocab-parallel embedding's shard boundary off by one",
+         "    foreign = (idx < lo) | (idx >= hi)  # (B, T)",
+         "    foreign = (idx < lo) | (idx > hi)  # (B, T)",
+         "an IndexError on the first batch holding the token id t*V/t's boundary (25152 at TP=2), or a silently "
+         "doubled embedding row", "parallel_layers_dtensor", "vocab_parallel_embedding"),
     ],
 
     "pipeline.py": [
+        ("loss not scaled by 1/M", "out = self.model.head_loss(h, self.ys[mb]) * self.scale",
+         "out = self.model.head_loss(h, self.ys[mb])", "the logged loss is M times gpt2.py's from step 0, every "
+         "gradient M times too large", "two_ranks_every_schedule", "loss, naive rank"),
+        ("tied wte/lm_head gradients not summed", "        if self.P > 1 and (self.first or self.last):\n"
+         "            self.all_reduce(", "        if False:\n            self.all_reduce(",
+         "the curve drifts from gpt2.py after step 0; the first and last stage's wte differ", "two_ranks_every_schedule",
+         "norm of wte.weight"),
+        ("--dp gradients summed, not averaged", "            self.all_reduce(p.grad, self.dp_group)\n"
+         "            p.grad /= self.D\n", "            self.all_reduce(p.grad, self.dp_group)\n",
+         "--dp 2 runs drift from gpt2.py only slowly (AdamW hides a constant scale)", "four_ranks", "--dp 2 rank"),
+        ("clip norm not summed over the stages", "        if self.P > 1:\n            self.all_reduce(sq, self.pp_group)"
+         "  # the sum of squares over the stages\n", "", "each stage clips by its own norm: too little, from the "
+         "first clipped step", "two_ranks_every_schedule", "gradient clipped to half its norm"),
+        ("clip coefficient clamped the wrong way", "max=1.0)  # a tensor: no host sync",
+         "min=1.0)  # a tensor: no host sync", "gradients are never clipped: the coefficient never goes below 1",
+         "two_ranks_every_schedule", "gradient clipped to half its norm"),
+        ("--grad-accum not in the loss scale", "scale = 1.0 / (args.micro_batches * args.grad_accum)",
+         "scale = 1.0 / args.micro_batches", "at --grad-accum 2 the logged loss is twice gpt2.py's",
+         "two_ranks_every_schedule", "--grad-accum 2"),
+        ("1F1B with one warm-up forward too many", "warmup = min(P - 1 - rank, M)  # forwards",
+         "warmup = min(P - rank, M)  # forwards", "the same losses, but every rank holds one micro-batch more "
+         "than P - rank", "schedule_definitions", "one_f_one_b(2, 4, 0)"),
     ],
 
     "moe_ep.py": [
     ],
 
     "fp8.py": [
+        ("gradients summed over the ranks, not averaged", "    flat /= world\n", "    flat /= 1\n",
+         "the loss curve looks fine (AdamW and clipping hide a factor of 2); every gradient is twice the mean",
+         "gradients_after_all_reduce", "after fp8.all_reduce_grads"),
+        ("the column's chunk scale left out of the promotion", "acc += partial * a_scales[:, k, None] * b_rows[None, :, k]",
+         "acc += partial * a_scales[:, k, None]", "every fp8 output is off by the weight's scale (~1e-3): the loss "
+         "barely moves", "fp8_matmul_vs_fp64", "fp8 GEMM vs fp64"),
+        ("wgrad re-cuts x with amax/448 scales", "quantize_1x128(x_hp.t(), pow2=True)", "quantize_1x128(x_hp.t())",
+         "training works, a little noisier: x is rounded twice on its way to wgrad", "pow2_scales_make_the_wgrad",
+         "Fp8LinearFn's wgrad"),
+        ("power-of-2 scales rounded down", "(bits + 0x007FFFFF) & 0x7F800000", "bits & 0x7F800000",
+         "a tile's largest values exceed 448 and saturate", "pow2_scales_make_the_wgrad", "_pow2_up must round"),
+        ("no amax floor", "_pow2_up(amax.clamp(min=AMAX_FLOOR) / FP8_MAX) if pow2 else amax.clamp(min=AMAX_FLOOR) / FP8_MAX",
+         "_pow2_up(amax / FP8_MAX) if pow2 else amax / FP8_MAX", "NaN as soon as a tile is all zeros (0 / 0)",
+         "extreme_magnitudes", "AMAX_FLOOR"),
+        ("the logged loss summed over the ranks", "    return t / world\n", "    return t\n",
+         "2-rank runs log twice the loss of one process", "two_rank_training_fp8_vs_baseline",
+         "train loss, fp8.py --fp8 off 2 ranks"),
     ],
 
     "muon.py": [
