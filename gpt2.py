@@ -180,19 +180,69 @@ class GPT(nn.Module):
         return logits
 
     def head_loss(self, x, targets):
-        """Mean next-token cross-entropy from the last block's hidden states."""
-        return cross_entropy(self.logits(x), targets)
+        """Mean next-token cross-entropy from the last block's hidden states (B, T, C). Beyond LOSS_CHUNK rows the
+        fp32 logits of the whole batch would not fit (B=64, T=1024: 13 GB, twice): chunked_cross_entropy."""
+        if x.shape[0] * x.shape[1] <= LOSS_CHUNK:
+            return cross_entropy(self.logits(x), targets)
+        return chunked_cross_entropy(self.ln_f(x).flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                     self.config.vocab_size)
 
     def forward(self, idx, targets=None):
+        """(logits, loss); the logits are None where the loss was computed in chunks (they never existed whole)."""
         x = self.forward_blocks(self.embed(idx))
         if targets is None:
             return self.logits(x[:, [-1], :]), None  # sampling needs the last position only
+        if x.shape[0] * x.shape[1] > LOSS_CHUNK:
+            return None, self.head_loss(x, targets)
         logits = self.logits(x)
         return logits, cross_entropy(logits, targets)
 
 
 def cross_entropy(logits, targets):
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))  # (B*T, V) vs (B*T,)
+
+
+LOSS_CHUNK = 8192  # rows of (rows, V) fp32 logits alive at once: 1.6 GB at V = 50,304
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The mean cross-entropy of x @ W.T over the real vocabulary, LOSS_CHUNK rows at a time, with the gradients
+    of x and W made in the same pass (softmax - onehot, per chunk): no (N, V) tensor outlives its chunk, and
+    nothing is recomputed. Backward only scales them. Matmuls follow autocast, as autograd's would."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, vocab_size, grads):
+        n = x.shape[0]  # x (N, C), weight (V_padded, C), targets (N,)
+        loss = torch.zeros((), device=x.device)
+        grad_x = torch.empty_like(x) if grads else None
+        grad_w = torch.zeros(weight.shape, device=weight.device) if grads else None  # fp32 accumulator
+        for lo in range(0, n, LOSS_CHUNK):
+            xc, tc = x[lo:lo + LOSS_CHUNK], targets[lo:lo + LOSS_CHUNK]  # (c, C), (c,)
+            logits = (xc @ weight.t()).float()  # (c, V_padded): the only fp32 (c, V) tensor, reused in place below
+            logits[:, vocab_size:] = float("-inf")  # the padding rows never enter the softmax
+            lse = torch.logsumexp(logits, dim=-1)  # (c,)
+            loss += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+            if grads:  # d loss / d logits = (softmax - onehot) / N
+                dlogits = logits.sub_(lse[:, None]).exp_()
+                dlogits[torch.arange(len(tc), device=x.device), tc] -= 1.0
+                dlogits = dlogits.div_(n).to(torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(
+                    x.device.type) else x.dtype)
+                grad_x[lo:lo + LOSS_CHUNK] = dlogits @ weight.to(dlogits.dtype)  # (c, C)
+                grad_w += (dlogits.t() @ xc.to(dlogits.dtype)).float()  # (V_padded, C)
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_loss, (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None
+
+
+@torch.compiler.disable  # eager: its work is large GEMMs; a compiled loop of in-place ops would save little
+def chunked_cross_entropy(x, weight, targets, vocab_size):
+    grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return ChunkedCrossEntropy.apply(x, weight, targets, vocab_size, grads)
 
 
 def model_config(args) -> GPTConfig:
@@ -289,7 +339,8 @@ class DataLoader:
             fail(f"{len(self.tokens)} tokens, fewer than one global batch ({self.world} ranks x {self.B} x {self.T} + 1 = "
                  f"{need})", self.files[self.shard], "lower --batch-size/--seq-len")
 
-    def next_batch(self):
+    def next_batch(self, device=None):
+        """This rank's (B, T) inputs and (B, T) next-token targets, on `device` (None: host memory)."""
         span = self.world * self.B * self.T
         if self.pos + span + 1 > len(self.tokens):
             self.shard = (self.shard + 1) % len(self.files)
@@ -297,9 +348,12 @@ class DataLoader:
             self.tokens = read_shard(self.files[self.shard], self.vocab_size)
             self._check_fits()
         lo = self.pos + self.rank * self.B * self.T
-        buf = torch.from_numpy(self.tokens[lo: lo + self.B * self.T + 1].astype(np.int64))
+        buf = torch.from_numpy(self.tokens[lo: lo + self.B * self.T + 1].astype(np.int64))  # (B*T+1,)
         self.pos += span
-        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
+        if device is not None and device.type == "cuda":
+            # page-locked memory lets the copy run asynchronously: a pageable copy would make the host wait
+            buf = buf.pin_memory().to(device, non_blocking=True)
+        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)  # (B, T) x, (B, T) y shifted by one
 
 
 def make_loaders(args, rank=0, world=1, vocab_size=50257):
@@ -369,8 +423,8 @@ def accumulate_grads(loss_fn, loader, args, device, after_backward=None):
     Returns this rank's mean loss of the step, detached."""
     loss_sum = torch.zeros((), device=device)
     for _ in range(args.grad_accum):
-        x, y = loader.next_batch()
-        loss = loss_fn(x.to(device), y.to(device)) / args.grad_accum
+        x, y = loader.next_batch(device)
+        loss = loss_fn(x, y) / args.grad_accum
         loss_sum += loss.detach()
         loss.backward()
         if after_backward is not None:
@@ -386,8 +440,8 @@ def evaluate(loss_fn, loader: DataLoader, steps, device):
     loader.load_state_dict({"shard": 0, "pos": 0})
     total = torch.zeros((), device=device)
     for _ in range(steps):
-        x, y = loader.next_batch()
-        total += loss_fn(x.to(device), y.to(device)).float()
+        x, y = loader.next_batch(device)
+        total += loss_fn(x, y).float()
     total /= steps
     if dist.is_initialized():
         dist.all_reduce(total)
@@ -796,7 +850,8 @@ def peer_lost(e):
 
 
 # What a Ctrl-C or a lost peer reports: the last logged step (Metrics sets it) and how to go on (checkpoint.py says how to resume).
-RUN = {"step": None, "resume": "nothing was saved but metrics.jsonl (checkpoint.py --ckpt-dir DIR runs can resume)"}
+RUN = {"step": None, "resume": "nothing was saved but metrics.jsonl: to run again, give a new --out (or delete this "
+                              "one); checkpoint.py runs can resume"}
 _created_dirs = []
 
 
@@ -834,12 +889,14 @@ def check_range(value, flag, lo=-math.inf, hi=math.inf, todo=None):
 
 def agree(ok, device=None):
     """True on every rank iff `ok` is true on every rank (one all-reduce; no group: just ok). Used where one
-    rank does work for all (rank 0 prepares the data) and all must stop together if it failed."""
+    rank does work for all (rank 0 prepares the data) and all must stop together if it failed. `ok` may be a
+    0-d tensor on the device: then reading the answer is the one host sync."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return bool(ok)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([1 if ok else 0], device=device)
+    flag = ok.to(device, torch.int32).reshape(1) if isinstance(ok, torch.Tensor) else \
+        torch.full((1,), 1 if ok else 0, dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
@@ -847,10 +904,12 @@ def agree(ok, device=None):
 def check_finite_weights(tensors, step, device=None, flag="--lr",
                          todo="nothing was saved: lower --lr, keep --grad-clip on, or raise --warmup"):
     """Before anything is written: the weights after the last update are finite on every rank (the loss
-    check sees only the weights before it). A collective when there is a group: every rank calls it."""
-    tensors = [t for t in tensors if t.is_floating_point()]
-    bad = sum(int(not torch.isfinite(t.detach()).all()) for t in tensors)
-    if not agree(bad == 0, device):
+    check sees only the weights before it). A collective when there is a group: every rank calls it. One host
+    sync: the flags of all tensors are reduced on the device first."""
+    tensors = [t.detach() for t in tensors if t.is_floating_point()]
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all() if tensors else torch.tensor(True)
+    if not agree(finite, device):
+        bad = sum(int(not torch.isfinite(t).all()) for t in tensors)  # the failure path only: count them
         fail(f"the weights are not finite after step {step} ({bad} of {len(tensors)} tensors on rank "
              f"{int(os.environ.get('RANK', 0))} hold NaN or Inf)", flag, todo)
 
@@ -1179,14 +1238,11 @@ class Metrics:
         self.t0 = None
 
     def start_step(self):
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize()
         self.t0 = time.perf_counter()
 
     def log_step(self, step, loss, lr, comm_mb=0.0, **extra):
-        """Call after the optimizer step with the global mean loss; prints a nanoGPT-style line."""
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize()
+        """Call after the optimizer step with the global mean loss as a float: reading it (loss.item()) is the
+        step's one host sync, so the host clock here measures the step without a torch.cuda.synchronize()."""
         dt = time.perf_counter() - self.t0
         tok_s = self.tokens_per_step / dt
         mfu = self.flops_per_step / dt / (self.ctx.world * self.peak) if self.peak else None
@@ -1194,6 +1250,8 @@ class Metrics:
         rec = {"step": step, "loss": loss, "lr": lr, "tokens": (step + 1) * self.tokens_per_step,
                "dt_ms": dt * 1e3, "tok_per_s": tok_s, "mfu": mfu,
                "peak_mem_mb": peak_memory_mb(self.ctx.device), "comm_mb": comm_mb, **extra}
+        if self.ctx.device.type == "cuda":  # what the caching allocator holds: what nvidia-smi and an OOM see
+            rec["peak_reserved_mb"] = torch.cuda.max_memory_reserved(self.ctx.device) / 1e6
         self._write(rec)
         mfu_s = f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""
         print0(f"step {step:5d} | loss {loss:.6f} | lr {lr:.2e} | {dt * 1e3:7.1f} ms | {tok_s:9.0f} tok/s{mfu_s} | comm {comm_mb:.2f} MB")
