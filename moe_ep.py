@@ -73,7 +73,7 @@ def keep_within_capacity(expert_idx, num_experts, capacity):
     """Assignment ids sorted by expert, those within `capacity` per expert first (stable: first choices, then earlier
     tokens, GShard 2.2's priority), the rest last; counts per expert before and after the cut. Fixed shapes: no sync."""
     order = torch.argsort(expert_idx, stable=True)
-    routed = F.one_hot(expert_idx, num_experts).sum(0)  # (E,) assignments per expert: a fixed-size bincount
+    routed = (expert_idx[:, None] == torch.arange(num_experts, device=expert_idx.device)).sum(0)  # (E,) a bincount
     if capacity is None:
         return order, routed, routed
     first = torch.cumsum(routed, 0) - routed  # where each expert's run starts in `order`
@@ -227,11 +227,11 @@ def train(args, Layer=MoE):
         lr = gpt2.set_lr(opt, step, args)
         sums, counts = torch.zeros(2, device=ctx.device), 0  # (train loss, balancing loss) of this rank; (L, 2, E)
         for _ in range(args.grad_accum):
-            x, y = train_loader.next_batch()
+            x, y = train_loader.next_batch(ctx.device)  # CUDA: pinned, non-blocking
             with ctx.autocast():  # model(x, y), with the head drawn apart from the blocks (experts, all-to-alls)
-                h = model.forward_blocks(model.embed(x.to(ctx.device)))
+                h = model.forward_blocks(model.embed(x))
                 with meter.timeline.compute("head + loss"):
-                    loss = model.head_loss(h, y.to(ctx.device))
+                    loss = model.head_loss(h, y)
             c = torch.stack([torch.stack([m.stats["routed"], m.stats["kept"]]) for m in moes])  # (L, 2, E)
             if world > 1:  # global_counts: routed and kept per expert, summed over ALL ranks
                 meter.all_reduce(c.numel() * 8, world)
@@ -244,7 +244,7 @@ def train(args, Layer=MoE):
             t0 = meter.timeline.now()
             all_reduce_grads(dense, None, world, world)
             all_reduce_grads(experts, expert_dp_group, dp, world)
-            meter.timeline.comm_span("grads: dense over W, experts over replicas", t0)
+            meter.timeline.comm_span("grad all-reduces", t0)
         if args.grad_clip > 0:
             clip_global_grad_norm(dense, experts, args.grad_clip, ep_group, ep)
         opt.step()
@@ -390,7 +390,7 @@ class DeepSeekMoE(MoE):
                 # DeepSeek-V3 eq. 17-20, per sequence: f_i = E/(k T) x (tokens of the sequence choosing i),
                 # P_i = the sequence's mean normalised affinity; sum_i f_i P_i, averaged over this rank's
                 # sequences (the data-parallel gradient average then averages over all sequences)
-                f = F.one_hot(idx, self.E).sum(1).view(B, T, self.E).sum(1).float() * self.E / (self.k * T)  # (B, E)
+                f = (idx[..., None] == torch.arange(self.E, device=idx.device)).sum(1).view(B, T, self.E).sum(1).float() * self.E / (self.k * T)  # (B, E)
                 self.stats["seq_aux"] = (f * probs.view(B, T, self.E).mean(1)).sum(-1).mean()
         return out.view(B, T, D)
 
@@ -485,7 +485,7 @@ def dispatch_by_rank(x, expert_idx, gates, num_experts, capacity, group, label, 
     row_gates = gates.new_zeros(pair.numel(), E_local).index_put((row_of, local), gates[order])
     chosen = torch.zeros(pair.numel(), E_local, dtype=torch.uint8, device=x.device).index_put_(
         (row_of, local), torch.ones_like(local, dtype=torch.uint8))
-    send = F.one_hot(pair // N, ep).sum(0)  # rows to each rank
+    send = (pair[:, None] // N == torch.arange(ep, device=x.device)).sum(0)  # rows to each rank
     if ep == 1:
         n = pair.numel()
         return rows, row_gates, chosen, RankPlan(order, expert_idx.numel(), routed, kept, [n], [n], None, None, None,

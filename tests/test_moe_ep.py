@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import gpt2
 import moe_ep
-from harness import assert_close, max_rel_diff, read_metrics, run_cli, run_distributed, train_losses
+from harness import assert_close, compare, max_rel_diff, read_metrics, run_cli, run_distributed, train_losses
 
 CFG = gpt2.GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=16)
 COMMON = ["--model", "tiny", "--n-layer", "2", "--n-embd", "32", "--seq-len", "32", "--steps", "10",
@@ -335,6 +335,9 @@ def test_expert_parallel_equals_one_process(bigram_data, tmp_path):
     col = lambda recs, key: [r[key] for r in recs if key in r]
     for name in ("ep2", "ep2dp2", "ep4"):
         recs = read_metrics(o[name])
+        compare(f"max/mean expert load per step, moe_ep.py {name} vs one process", [max(max(l) for l in s) for s in
+                col(recs, "expert_load")], [max(max(l) for l in s) for s in col(base, "expert_load")], 0,
+                hint="train: the (routed, kept) counts of every rank are all-reduced before the aux loss and the log")
         assert col(recs, "expert_load") == col(base, "expert_load"), f"{name}: the expert loads differ from one " \
             f"process's: routing is not token for token the same"
         assert_close(f"train loss, moe_ep.py {name} fp32 vs one process", col(recs, "loss"), losses, 1e-5)
@@ -460,3 +463,100 @@ def test_two_ranks_deepseek_options_bf16_compile(bigram_data, tmp_path):
                                     "--compile", "--out", str(tmp_path / "compiled")])
     print("compile vs eager, max rel diff", max_rel_diff(loss(compiled), loss(eager)))
     assert len(loss(eager)) == 3 and max_rel_diff(loss(compiled), loss(eager)) <= 1e-6, (loss(compiled), loss(eager))
+
+
+# -- issue 31: what the curves cannot see: capacity rounding, the layer against its definition, gradient scale ----
+
+def test_capacity_rounds_up():
+    """Switch sec. 2.2: capacity = ceil(C * tokens * k / E). Rounding down (int, floor, round) passes every
+    equivalence test (EP and one rank round alike) and drops tokens a balanced batch should keep."""
+    layer = moe_layer(capacity_factor=1.25)
+    assert layer.capacity(10) == 7, f"MoE.capacity: C=1.25, 10 tokens, k=2, E=4 gives {layer.capacity(10)}, " \
+                                    f"expected ceil(6.25) = 7 (capacity rounds up)"
+    with torch.no_grad():  # every token picks experts 0 and 1: 10 assignments each, 7 kept
+        layer.router.weight.zero_()
+        layer.router.weight[0], layer.router.weight[1] = 1.0, 0.5
+    layer.train()(torch.ones(1, 10, 16))
+    compare("assignments kept per expert, 10 tokens all routed to experts 0 and 1, --capacity-factor 1.25",
+            layer.stats["kept"].tolist(), [7, 7, 0, 0], 0, hint="MoE.capacity must round up: ceil(1.25 x 10 x 2 / 4) = 7")
+    assert layer.stats["kept"].tolist() == [7, 7, 0, 0], f"MoE.capacity: kept {layer.stats['kept'].tolist()} of " \
+        f"routed {layer.stats['routed'].tolist()}, expected [7, 7, 0, 0] (capacity ceil(1.25 x 10 x 2 / 4) = 7)"
+
+
+def test_moe_layer_matches_a_dense_reference():
+    """The layer against its definition, written the slow way: y_t = sum_k gate_tk * expert_{idx_tk}(h_t),
+    every expert run on every token. Equivalence tests (EP vs one rank) cannot see a bug both layouts share."""
+    layer = moe_layer(experts=4).train()
+    h = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(7))
+    _, _, idx, gates = layer.route(h.view(16, 16))
+    every = torch.stack([e(h.view(16, 16)) for e in layer.experts], 1)  # (N, E, D)
+    ref = (every.gather(1, idx[..., None].expand(-1, -1, 16)) * gates[..., None]).sum(1)  # (N, D)
+    out = layer(h).view(16, 16)
+    err = (out - ref).abs().max().item()
+    compare("MoE layer output (largest |value|) vs the dense reference sum_k gate_k * expert_k(h)", [out.abs().max()],
+            [ref.abs().max()], 1e-6, hint="MoE.forward: the gates weight each choice's output, then the k are summed")
+    assert err < 1e-6, f"MoE.forward vs the dense reference sum_k gate_k * expert_k(h): differs by {err:.1e} " \
+                       f"(tolerance 1e-6): the gates, the combine or the regrouping"
+
+
+SGD = ["--steps", "1", "--warmup", "1", "--lr", "0.5", "--aux-coef", "0", "--weight-decay", "0", "--eval-every", "0", "--dtype", "float32"]
+
+
+def _sgd(groups, args, device):
+    """AdamW's update hides a constant gradient scale (m / sqrt(v)); SGD's is lr x the gradient itself."""
+    return torch.optim.SGD(groups, lr=args.lr)
+
+
+def _ep_sgd_runs(rank, world, runs):
+    gpt2.make_adamw = _sgd  # this spawned process only
+    for argv in runs:
+        moe_ep.cli(argv)
+
+
+def _initial_state(argv):
+    args = full_parser().parse_args(argv)
+    model = gpt2.build_model(args)
+    for i, block in enumerate(model.h):
+        block.mlp = moe_ep.MoE(model.config, args, i, model.init_weights)
+    return model.state_dict()
+
+
+def test_one_sgd_step_equals_one_process(bigram_data, tmp_path, monkeypatch):
+    """Gradient scale, which AdamW and clipping hide from loss curves: one SGD step (update = lr x gradient) at
+    EP=2 on 2 ranks with --grad-accum 2 against one process with --grad-accum 1 on the same 8 sequences, the
+    update of every tensor compared. A sum where a mean belongs (dense over the world, experts over their
+    replicas), a missing / --grad-accum, a clip norm not summed over the EP group: each shows as a ratio."""
+    common = TINY + SGD + ["--n-layer", "2", "--data", bigram_data]
+    o = {name: str(tmp_path / name) for name in ("ref", "ref_clip", "ep", "ep_clip")}
+    monkeypatch.setattr(gpt2, "make_adamw", _sgd)
+    for name, clip in (("ref", "0"), ("ref_clip", "0.05")):
+        moe_ep.cli(common + ["--batch-size", "8", "--grad-clip", clip, "--out", o[name]])
+    run_distributed(_ep_sgd_runs, 2, [common + ["--ep", "2", "--batch-size", "2", "--grad-accum", "2", "--grad-clip", clip,
+                                                "--out", o[name]] for name, clip in (("ep", "0"), ("ep_clip", "0.05"))],
+                    timeout=300)
+    init = _initial_state(common)
+    load = lambda name: torch.load(os.path.join(o[name], "model.pt"), weights_only=True)["model"]
+    for ours, ref, what in (("ep", "ref", "--grad-clip 0"), ("ep_clip", "ref_clip", "--grad-clip 0.05 (clipping on)")):
+        a, b = load(ours), load(ref)
+        ratio = {}
+        for part in ("dense", "expert"):
+            keys = [k for k in b if (".experts." in k) == (part == "expert") and k in init]
+            da = torch.cat([(a[k] - init[k]).flatten() for k in keys])
+            db = torch.cat([(b[k] - init[k]).flatten() for k in keys])
+            ratio[part] = (da.norm() / db.norm()).item(), ((da - db).norm() / db.norm()).item()
+        print(what, {k: f"update ratio {r:.4f}, relative difference {d:.1e}" for k, (r, d) in ratio.items()})
+        places = {}
+        for part, (r, d) in ratio.items():
+            place = {"dense": "all_reduce_grads of the dense parameters (sum over the world, then / W)",
+                     "expert": "all_reduce_grads of the experts (the backward all-to-all, then the replicas, / W)"}[part]
+            if what.startswith("--grad-clip 0.05"):
+                place = "clip_global_grad_norm (||experts||^2 summed over the EP group, ||dense||^2 once)"
+            elif all(abs(x - r) < 1e-3 for x, _ in ratio.values()) and abs(r - 2) < 0.05:
+                place = "every gradient 2x: the micro-step loss not divided by --grad-accum"
+            places[part] = place
+            compare(f"{part} update / reference update, one SGD step {what}, EP=2 --grad-accum 2 vs one process",
+                    [r], [1.0], 1e-4, hint=place)
+        for part, (r, d) in ratio.items():
+            place = places[part]
+            assert d < 1e-4, f"one SGD step {what}, EP=2 --grad-accum 2 vs one process: the {part} update is " \
+                             f"{r:.3f}x the reference's (relative difference {d:.1e} > 1e-4): look at {place}"
