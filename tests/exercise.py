@@ -64,7 +64,7 @@ EXERCISES = {
         ("AllToAll.backward", "the gradient of a received row goes back to its sender: the same exchange with the "
                               "splits swapped"),
         ("plan_dispatch", "sort the assignments by expert (keep_within_capacity), exchange the per-expert counts "
-                          "(all_to_all_single), and derive send/recv splits and rows per local expert: the Plan"),
+                          "(all_to_all), and derive send/recv splits and rows per local expert: the Plan"),
         ("combine_tokens", "the reverse exchange (splits swapped), then put each row back at its assignment "
                            "(index_copy into zeros: dropped assignments stay 0)"),
     ],
@@ -270,6 +270,33 @@ BUGS = {
     ],
 
     "moe_ep.py": [
+        ("capacity rounds down", "math.ceil(self.cf * n_tokens * self.k / self.E)",
+         "int(self.cf * n_tokens * self.k / self.E)",
+         "with --capacity-factor a few more tokens are dropped than the factor allows; every EP layout still equals "
+         "one rank (they round alike)", "capacity_rounds_up", "expected ceil(6.25) = 7"),
+        ("gates never weight the expert outputs", "out = (y.view(self.k, -1, D) * gates.t().unsqueeze(-1)).sum(0)",
+         "out = y.view(self.k, -1, D).sum(0)",
+         "the router learns from the aux loss only; EP=2 still equals one rank, the loss is a little worse",
+         "dense_reference", "MoE.forward vs the dense reference"),
+        ("dense gradients summed over the world", "all_reduce_grads(dense, None, world, world)",
+         "all_reduce_grads(dense, None, world, 1)",
+         "the curves of 2 ranks move a little from one rank's (AdamW and clipping hide most of a 2x gradient)",
+         "one_sgd_step", "all_reduce_grads of the dense parameters"),
+        ("expert gradients divided by their replicas, not the world", "all_reduce_grads(experts, expert_dp_group, dp, world)",
+         "all_reduce_grads(experts, expert_dp_group, dp, dp)",
+         "nothing visible in the loss at EP=2 on 2 ranks (one replica: a 2x expert gradient, which AdamW hides)",
+         "one_sgd_step", "all_reduce_grads of the experts"),
+        ("micro-step loss not divided by --grad-accum", "((loss + aux) / args.grad_accum).backward()",
+         "(loss + aux).backward()",
+         "the logged loss is right (it is divided separately) and AdamW hides the 2x gradient",
+         "one_sgd_step", "not divided by --grad-accum"),
+        ("clip norm from this rank's experts only", "        dist.all_reduce(expert_sq, group=ep_group)\n",
+         "        expert_sq = expert_sq * 1  # this rank's experts only\n",
+         "EP runs clip a little less than one rank once the gradient norm exceeds --grad-clip",
+         "one_sgd_step", "clip_global_grad_norm"),
+        ("expert counts not summed over the ranks", "                dist.all_reduce(c)\n", "                c = c * 1\n",
+         "each rank balances its own batch: the aux loss, drop rate and expert-load picture differ from one rank's",
+         "expert_parallel_equals_one_process", "expert loads differ"),
     ],
 
     "fp8.py": [
