@@ -346,6 +346,59 @@ BUGS = {
     ],
 
     "checkpoint.py": [
+        ("the rename before the fsync",
+         "        os.fsync(f.fileno())  # the bytes on disk before the name: a crash never leaves `path` half-written\n"
+         "    os.replace(path + \".tmp\", path)  # atomic: path is the old file or the new one, never a mix\n",
+         "        os.replace(path + \".tmp\", path)  # atomic: path is the old file or the new one, never a mix\n"
+         "        os.fsync(f.fileno())  # the bytes on disk before the name: a crash never leaves `path` half-written\n",
+         "training and resuming look fine; after a power loss a committed name can point at empty or torn bytes",
+         "fsynced_then_renamed", "were not fsynced before the rename"),
+        ("no fsync of the directory after the rename",
+         "    fsync_dir(os.path.dirname(path))  # the rename itself durable\n", "",
+         "training and resuming look fine; after a power loss the rename (the commit itself) can be undone",
+         "fsynced_then_renamed", "was not fsynced after the rename"),
+        ("rank 0 commits before the other shards are durable",
+         "        with self.timeline.compute(\"gather\", \"all_gather\"):  # every rank's (bytes, crc32) to every rank\n"
+         "            reports = report.repeat(self.ctx.world, 1)\n"
+         "            if self.group is not None:  # returns once every shard is durable\n"
+         "                all_gather_single(reports.view(-1), report, group=self.group)\n"
+         "        if self.ctx.master:\n"
+         "            with self.timeline.compute(f\"commit {step}\", \"io\"):\n"
+         "                self.commit(step, d, reports, meta[\"loader\"])\n",
+         "        reports = report.repeat(self.ctx.world, 1)\n"
+         "        if self.ctx.master:\n"
+         "            with self.timeline.compute(f\"commit {step}\", \"io\"):\n"
+         "                self.commit(step, d, reports, meta[\"loader\"])\n"
+         "        with self.timeline.compute(\"gather\", \"all_gather\"):  # every rank's (bytes, crc32) to every rank\n"
+         "            if self.group is not None:  # returns once every shard is durable\n"
+         "                all_gather_single(reports.view(-1), report, group=self.group)\n",
+         "resumes work; a crash between the commit and a slow rank's write leaves a committed checkpoint with a "
+         "missing shard, and the manifest lists rank 0's checksum for every shard",
+         "fsynced_then_renamed", "renamed into place before rank 1's shard was durable"),
+        ("gradients summed over the ranks, not averaged",
+         "            self.grad_shard.div_(self.world)\n", "",
+         "the loss curve stays close to gpt2.py's (AdamW divides a constant scale away); the moments are N times too big",
+         "mean_gradient", "the reduce-scatter SUMs the ranks"),
+        ("AdamW's step count not restored",
+         "torch.tensor(float(step))", "torch.tensor(0.0)",
+         "the resumed loss jumps at the first step after the resume (the bias correction starts over)",
+         "every_piece", "AdamW's step count"),
+        ("the RNG state not restored",
+         "            torch.set_rng_state(rng[\"rng_cpu\"])\n", "            pass\n",
+         "nothing visible here (no dropout); with dropout or sampling the resumed run leaves the straight one",
+         "every_piece", "CPU RNG state"),
+        ("the loader position not restored",
+         "loader.load_state_dict(man[\"loader\"])  # a token offset", "pass  # a token offset",
+         "the resumed curve differs from the straight one from the first resumed step: it trains on data seen before",
+         "every_piece", "loader position"),
+        ("the snapshot a view of the live state",
+         "out = {k: v.to(\"cpu\", copy=True) for k, v in out.items()}", "out = {k: v.to(\"cpu\") for k, v in out.items()}",
+         "on CPU, a checkpoint holds weights from a later step than its name says; a resume from it is not bit-exact",
+         "snapshot_is_a_copy and Async", "not a copy"),
+        ("resharding reads each shard at this rank's offset",
+         "tensors[k][a - sh[\"lo\"]: b - sh[\"lo\"]]", "tensors[k][a - z.lo: b - z.lo]",
+         "a resume on as many ranks as wrote it works; on another world size it crashes or loads the wrong weights",
+         "every_piece", "read_slices"),
     ],
 }
 
