@@ -57,6 +57,8 @@ def plan(gpus, data, out, smoke=False):
         row(name, 1, ["moe_ep.py", *eq, "--batch-size", "8", "--ep", "1", *extra], "ref")
     row("muon.py 1 rank", 1, ["muon.py", *eq, "--batch-size", "8"], "ref")
     row("fp8.py 1 rank", 1, ["fp8.py", *eq, "--batch-size", "8"], "ref")
+    if not smoke:  # the fast path must be the one that ran: a silent row-wise fallback would pass the equality
+        rows[-1].update(expect="fp8 GEMM: blockwise (sm_90", forbid="failed")
     if gpus >= 2:
         gpt = "gpt2.py fp32 B=8"
         for name, argv in (("ddp.py", ["ddp.py", "--batch-size", "4"]),
@@ -85,6 +87,8 @@ def plan(gpus, data, out, smoke=False):
                                                       "rank"], "equal", "moe_ep.py 1 rank, DeepSeek options")
         row("muon.py 2 ranks", 2, ["muon.py", *eq, "--batch-size", "4"], "equal", "muon.py 1 rank")
         row("fp8.py 2 ranks", 2, ["fp8.py", *eq, "--batch-size", "4"], "equal", "fp8.py 1 rank")
+        if not smoke:
+            rows[-1].update(expect="fp8 GEMM: blockwise (sm_90", forbid="failed")
     if gpus >= 4:
         row("fsdp2.py --replicate 2 (HSDP, 4 ranks)", 4, ["fsdp2.py", *eq, "--batch-size", "2", "--replicate", "2"],
             "equal", "gpt2.py fp32 B=8")
@@ -139,6 +143,10 @@ def run_row(r, timeout, done):
     if proc.returncode != 0:
         err = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
         return {**res, "ok": False, "error": " | ".join(err[-3:])[-400:]}
+    printed = proc.stdout + proc.stderr
+    if r.get("expect") and r["expect"] not in printed or r.get("forbid") and r["forbid"] in printed:
+        line = next((ln for ln in printed.splitlines() if "fp8 GEMM" in ln), "(no path line)")
+        return {**res, "ok": False, "error": f"expected {r['expect']!r}, not {r.get('forbid')!r}: {line}"}
     if r["out"] is None:
         return {**res, "ok": True, "stdout_tail": proc.stdout[-3000:]}
     recs = losses(r["out"])
