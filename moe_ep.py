@@ -221,7 +221,7 @@ def train(args, Layer=MoE):
         [m.compile(dynamic=m is not b.attn) for m in [b.attn, *b.mlp.experts]]
     active = model.num_params() - sum(p.numel() for p in experts) * (1 - args.top_k / args.experts * ep)  # k experts/token
     metrics = gpt2.Metrics(args, ctx, model.config, active, args.batch_size * args.seq_len * args.grad_accum * world)
-    profiler, meter.timeline, _ = gpt2.Profiler(args, ctx), gpt2.Timeline(ctx), meter.take_a2a()
+    profiler, meter.timeline, _, _ = gpt2.Profiler(args, ctx), gpt2.Timeline(ctx), meter.take_a2a(), meter.take_mb()
     for step in range(args.steps):
         profiler.step(step), meter.timeline.start_step(step), metrics.start_step()
         lr = gpt2.set_lr(opt, step, args)

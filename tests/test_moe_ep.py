@@ -471,6 +471,8 @@ def test_capacity_rounds_up():
     """Switch sec. 2.2: capacity = ceil(C * tokens * k / E). Rounding down (int, floor, round) passes every
     equivalence test (EP and one rank round alike) and drops tokens a balanced batch should keep."""
     layer = moe_layer(capacity_factor=1.25)
+    compare("MoE.capacity(10 tokens) with --capacity-factor 1.25, k=2, E=4", [layer.capacity(10)], [7], 0,
+            hint="MoE.capacity must round up: ceil(1.25 x 10 x 2 / 4) = ceil(6.25) = 7")
     assert layer.capacity(10) == 7, f"MoE.capacity: C=1.25, 10 tokens, k=2, E=4 gives {layer.capacity(10)}, " \
                                     f"expected ceil(6.25) = 7 (capacity rounds up)"
     with torch.no_grad():  # every token picks experts 0 and 1: 10 assignments each, 7 kept
