@@ -216,8 +216,8 @@ BUGS = {
          "TP x DP runs track gpt2.py closely (AdamW and clipping hide a constant gradient scale) but the gradients "
          "are d times too large", "parallel_layers_dtensor", "gradient after sync_grads"),
         ("the clip norm counts each replicated gradient t times",
-         'torch.linalg.vector_norm(p.grad.float()) ** 2 / (1 if hasattr(p, "tp_split") else grid.tp)',
-         "torch.linalg.vector_norm(p.grad.float()) ** 2",
+         'p.grad.float().pow(2).sum() / (1 if hasattr(p, "tp_split") else grid.tp)',
+         "p.grad.float().pow(2).sum()",
          "the curve drifts from gpt2.py's only while clipping is active (a slightly larger norm, a smaller step)",
          "parallel_layers_dtensor", "clip_norm"),
         ("g's backward all-reduces the gradient as well (f and g not conjugate)",
