@@ -275,7 +275,7 @@ def train(args, to_fp8=convert_to_fp8):
             all_reduce_grads(params, world, comm)
             loss_sum = global_mean(loss_sum, world, comm)
         if args.grad_clip > 0:  # the grads are now identical on every rank: the local norm is the global one
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+            gpt2.clip_grad_norm_(params, args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss_val = loss_sum.item()
