@@ -1,181 +1,157 @@
 """
-ddp.py - data parallelism from torch.distributed calls. N ranks each hold the whole model and run forward and
-backward on their own rows of the global batch, then all-reduce (sum / N) the gradients, so every rank applies
-the same update to the same weights: the one-process run on an N-times-larger batch (fp32: the losses equal
-gpt2.py's to ~1e-7 at first; the summation order compounds, to within 1e-5 over 200 steps). The trick is to
-hide the traffic under backward: the gradients lie in ~25 MB flat buckets in reverse parameter order (about
-the order backward finishes them), and a bucket's all-reduce starts asynchronously the moment its last
-gradient lands (a post-accumulate-grad hook) while backward goes on with earlier layers. With gradient
-accumulation the micro-steps but the last skip the sync (no_sync): one reduction of the sum will do.
+ddp.py - data parallelism from torch.distributed calls. N ranks hold the whole model, each runs forward and
+backward on its rows of the global batch, the gradients are averaged: the same update as one process on an
+N-times-larger batch. Naive first (--naive): after backward, all-reduce each gradient and divide by N; the
+network idles during backward, then the GPU during the all-reduces. DataParallel hides them: gradients fill
+~25 MB flat buckets in reverse parameter order (about backward's order); a bucket's all-reduce starts,
+asynchronously, when its last gradient lands (a post-accumulate-grad hook), while backward goes on.
 
-    rank r of N: whole model | batch rows [r*B, (r+1)*B) | whole optimizer state
-    backward   [lm_head][h.11][h.10] ... [h.0][wpe][wte]      hooks fill buckets in this order
-    comm                 [b0 all-reduce][b1][b2] ... [b_last]  wait -> clip -> AdamW (the same on every rank)
-    (the tied wte/lm_head gradient is complete only after the embedding's backward, the very last op: its
-     bucket is the one that cannot hide under backward)
+    naive     [backward: lm_head h.11 ... h.0 wte][all-reduce p0][p1][p2] ... [p_last] -> clip -> AdamW
+    buckets   [backward: lm_head h.11 ... h.0 wte]
+    comm              [bucket 0][bucket 1] ... [bucket k] -> wait -> clip -> AdamW   (OUT/timeline.png)
+                                               ^^^^^^^^ exposed: only the tail after backward ends
 
-Bytes sent per rank per step: 2(N-1)/N x 4P (ring all-reduce of fp32 gradients, P parameters), once per
-step whatever --grad-accum. Memory per rank: 4P params + 4P grads + 8P AdamW = 16P (+ activations).
-Beyond the core (after the banner): ZeRO-1 (--zero 1: each rank keeps the optimizer state of 1/N of every
-bucket: 4P + 4P + 8P/N) and ZeRO-2 (--zero 2: and only its 1/N of the gradients: 4P + 4P/N + 8P/N + the
-buckets in flight), with the same bytes (reduce-scatter + all-gather = all-reduce; but ZeRO-2 has no full
-gradient to accumulate into, so it reduce-scatters every micro-step: (k+1)(N-1)/N x 4P at --grad-accum k).
+The life of p.grad in one step (DataParallel):
+    backward  autograd writes p.grad; the micro-steps under no_sync() stop here (their sum accumulates in it)
+    hook      take_grad: p.grad / N into its slice of the bucket, p.grad = None; a complete bucket launches
+    finish    finish_grad_sync: launch the buckets left, wait for every one, in index order
+    hand_out  p.grad = its slice of the bucket: the mean over the ranks (a view, no copy)
+    step      clip and AdamW read p.grad; zero_grad(set_to_none=True) drops it before the next backward
 
-Launch (the flags of `python gpt2.py train`; --batch-size is per rank; CPU: gloo, GPU: NCCL):
-    torchrun --nproc_per_node=2 ddp.py --batch-size 4 --out out/ddp     # after `python gpt2.py prepare shakespeare`
-    torchrun --nproc_per_node=8 ddp.py --model gpt2 --data data/fineweb10B --seq-len 1024 --batch-size 16 \
-        --grad-accum 4 --lr 6e-4 --warmup 700 --steps 19073 --compile [--zero 1|2]   # 0.5M tokens/step, as GPT-2
+Who sums what (N ranks, k = --grad-accum micro-steps per rank):
+    | what              | summed over               | divided by          | where                           |
+    | p.grad on a rank  | its k micro-batches       | k (the loss / k)    | train: loss / args.grad_accum   |
+    | a bucket          | the N ranks (all-reduce)  | N, before the sum   | take_grad, then launch          |
+    | clip norm         | every element once: each rank holds the whole mean gradient | clip_grad_norm_ |
+    | logged loss       | the N ranks               | N                   | train                           |
 
-References: Li et al. 2020, "PyTorch Distributed" (section 3.2: bucketing, overlap with backward, unused
-parameters, no_sync); Patarasuk & Yuan 2009 (the ring all-reduce bound); Rajbhandari et al. 2020, "ZeRO"
-(section 5.1: P_os, P_os+g); picotron's data_parallel.py. Uses from gpt2.py: build_model, make_loaders,
-optimizer_groups, make_adamw, set_lr, evaluate, setup, CommMeter, Metrics, Profiler, check_finite_weights,
-save_model, fail, run_main.
+Read first: NaiveDataParallel, DataParallel._grad_ready, DataParallel.finish_grad_sync, train. Beyond the core:
+--find-unused-parameters, --zero 1|2. Run: torchrun --nproc_per_node=2 ddp.py --batch-size 4 --out out/ddp [--naive]
 """
 import contextlib
 import math
 import os
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import gpt2
-from gpt2 import all_gather_single, print0, reduce_scatter_single
+from gpt2 import print0
 
 
+class NaiveDataParallel(nn.Module):
+    """After backward, all-reduce each gradient and divide by N (every rank must have every gradient: GPT-2)."""
+
+    def __init__(self, module, meter=None):
+        super().__init__()
+        self.module, self.meter = module, meter or gpt2.CommMeter()
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        for t in [*module.parameters(), *module.buffers()] if self.world > 1 else []:
+            dist.broadcast(t.detach(), src=0)  # the same start on every rank, whatever the seeds
+            self.meter.broadcast(t.nbytes, self.world)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):  # micro-steps add into p.grad; nothing is reduced before finish_grad_sync
+        return contextlib.nullcontext()
+
+    def finish_grad_sync(self):
+        for p in self.module.parameters():  # a tied parameter once; its gradient already sums both uses
+            if self.world > 1:
+                dist.all_reduce(p.grad)  # blocking, one after the other, all after backward: all of it exposed
+                self.meter.all_reduce(p.grad.nbytes, self.world)
+            p.grad /= self.world  # the mean, as one process on the N-times-larger batch
+
+    def clip_grad_norm_(self, max_norm):
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    def close(self):
+        pass
+
+
+# The real version (Li et al. 2020, section 3.2.3): the same mean, in flat buckets launched during backward.
 class Bucket:
-    """Consecutive parameters end to end in one flat buffer; parameter i's piece is view(flat, i). Padded to a
-    multiple of N for ZeRO, which cuts it into N slices: rank r's is [r*S, (r+1)*S)."""
+    """Consecutive parameters end to end in one flat buffer; parameter i's piece is view(flat, i)."""
 
-    def __init__(self, params, world):
-        self.params = params
-        self.offsets = [0]
+    def __init__(self, params):
+        self.params, self.offsets = params, [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
-        self.numel = math.ceil(self.offsets[-1] / world) * world
-        self.slice_numel = self.numel // world
+        self.numel = self.offsets[-1]
         self.dtype, self.device = params[0].dtype, params[0].device
-        self.grads, self.work = None, None  # the flat gradient buffer, the collective in flight
-        self.ready = [False] * len(params)  # its gradient is in the buffer (this backward)
-        self.used = [False] * len(params)  # autograd produced a gradient for it since the last sync
+        # the flat gradient buffer, the collective in flight, which gradients are in the buffer (this backward)
+        self.grads, self.work, self.ready = None, None, [False] * len(params)
 
     def view(self, flat, i):
         return flat[self.offsets[i]: self.offsets[i + 1]].view_as(self.params[i])
 
-    def new_buffer(self):
-        return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-
 
 def bucket_params(params, cap_bytes):
-    """Cut a parameter list, in order, into runs of about cap_bytes (0: one parameter each, inf: one run); one
-    dtype and device per run, since one collective moves one flat tensor."""
-    runs, current, size = [], [], 0
+    """Cut parameters, in order, into runs of <= cap_bytes (or one); one dtype per run (one flat tensor each)."""
+    runs, size = [[]], 0
     for p in params:
-        nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > cap_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
-            runs.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    runs.append(current)
+        if runs[-1] and (size + p.nbytes > cap_bytes or p.dtype != runs[-1][0].dtype):
+            runs, size = runs + [[]], 0
+        runs[-1].append(p)
+        size += p.nbytes
     return runs
 
 
 class DataParallel(nn.Module):
-    """Wraps any module and keeps its replicas identical: the same start (a broadcast from rank 0), the same
-    averaged gradients at every step. Use: with model.no_sync(): backward (micro-steps but the last); then
-    backward; model.finish_grad_sync(); opt.step(). forward, parameters() and state_dict() are the module's.
-    bucket_mb=None: one bucket (it starts only after backward). A tied parameter is reduced once (autograd sums
-    its uses before its hook fires); frozen ones are left out; one with no gradient on some rank contributes
-    zeros, one with none on any rank keeps grad None, as in one process."""
+    """The replicas stay identical: the same start, the same mean gradients. Use: with ddp.no_sync(): backward
+    (micro-steps but the last); backward; ddp.finish_grad_sync(); opt.step(). bucket_mb=None: one bucket. A tied
+    parameter is reduced once, frozen ones not; one with no gradient on a rank gets zeros from it."""
 
-    def __init__(self, module, bucket_mb=25.0, meter=None):
+    def __init__(self, module, bucket_mb=25.0, meter=None, timeline=None):
         super().__init__()
-        self.module = module
+        self.module, self.timeline, self.meter = module, timeline, meter or gpt2.CommMeter()
         self.world, self.rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-        self.meter = meter if meter is not None else gpt2.CommMeter()
         self.params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))  # a tied one once
-        if not self.params:
-            raise ValueError("DataParallel: the module has no parameter that requires grad")
-        self.names = {p: n for n, p in module.named_parameters()}
-        if any(getattr(p, "_data_parallel", False) for p in self.params):  # two hooks would each take a gradient
-            raise ValueError("DataParallel: the module is already in a DataParallel; close() that one first")
-        for p in self.params:
-            p._data_parallel = True
-        if self.world > 1:  # different seeds, or a checkpoint read by one rank, must not make the replicas differ
-            with torch.no_grad():
-                for t in list(module.parameters()) + list(module.buffers()):
-                    dist.broadcast(t.detach(), src=0)
-                    self.meter.broadcast(t.numel() * t.element_size(), self.world)
+        for t in [*module.parameters(), *module.buffers()] if self.world > 1 else []:
+            dist.broadcast(t.detach(), src=0)  # the same start on every rank, whatever the seeds
+            self.meter.broadcast(t.nbytes, self.world)
         # reverse registration order is roughly the order backward finishes the gradients (last layer first)
         cap = math.inf if bucket_mb is None else bucket_mb * 1e6
-        self.buckets = [Bucket(run, self.world) for run in bucket_params(list(reversed(self.params)), cap)]
+        self.buckets = [Bucket(run) for run in bucket_params(list(reversed(self.params)), cap)]
         self.where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.peak_grad_bytes = sum(self.allocate(b) for b in self.buckets)  # gradient memory, measured
         self.sync, self.next_bucket = True, 0
         self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
 
     def allocate(self, b):  # the bucket's gradient buffer, for the whole run; returns its bytes
-        b.grads = b.new_buffer()
+        b.grads = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
         return b.grads.nbytes
 
     def forward(self, *args, **kwargs):
-        # autograd accumulates straight into the buckets (torch DDP's gradient_as_bucket_view): grads cost 4P
-        for b in self.buckets:
-            empty = [i for i, p in enumerate(b.params) if p.grad is None]
-            if len(empty) == len(b.params):
-                b.grads.zero_()  # after zero_grad: one kernel per bucket, not one per parameter
-            for i in empty:
-                view = b.view(b.grads, i)
-                b.params[i].grad = view if len(empty) == len(b.params) else view.zero_()
         return self.module(*args, **kwargs)
 
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict=True, assign=False):
-        return self.module.load_state_dict(state_dict, strict, assign)
-
-    def make_optimizer(self, params, optimizer_cls, **kwargs):
-        return optimizer_cls(params, **kwargs)
+    def make_optimizer(self, params, make):  # make(params) builds the optimizer
+        return make(params)
 
     @contextlib.contextmanager
-    def no_sync(self):
-        """Micro-steps before the last only add into p.grad: averaging is linear, one reduction of the sum at
-        the last micro-step gives the same mean at 1/grad_accum of the traffic."""
+    def no_sync(self):  # averaging is linear: one reduction of the micro-steps' sum, at 1/k of the traffic
         self.sync = False
-        try:
-            yield
-        finally:
-            self.sync = True
+        yield
+        self.sync = True
 
     def _grad_ready(self, p):
         # autograd has written p's whole gradient for this backward (after all its uses)
-        bucket, i = self.where[p]
-        bucket.used[i] = True
-        if not self.sync:
-            return
-        if bucket.ready[i]:
-            raise RuntimeError(f"{self.names[p]} received a second gradient after it was reduced: call backward once "
-                               f"per micro-step (reentrant checkpointing of a shared weight does this)")
-        self.take_grad(bucket, i)
-        self._launch_ready_buckets()
+        if self.sync:
+            bucket, i = self.where[p]
+            self.take_grad(bucket, i)
+            self._launch_ready_buckets()
 
     def take_grad(self, b, i):
         """Move parameter i's gradient (if any) into its bucket, divided by N on the way in (a mean, not a sum)."""
         p, dst = b.params[i], b.view(b.grads, i)
-        if p.grad is None:
-            dst.zero_()
-        else:
-            torch.mul(p.grad.view_as(dst), 1.0 / self.world, out=dst)
-        p.grad = None  # the bucket holds it now (set again after the sync)
+        dst.zero_() if p.grad is None else torch.mul(p.grad.view_as(dst), 1.0 / self.world, out=dst)
+        p.grad = None  # the bucket holds it now (handed out again after the sync)
         b.ready[i] = True
 
     def _launch_ready_buckets(self):
-        """Complete buckets, strictly in index order: every rank must issue the same collectives in the same
-        order, and a rank's hooks may complete buckets in another order."""
+        # strictly in index order: every rank must issue the same collectives in the same order
         while self.next_bucket < len(self.buckets) and all(self.buckets[self.next_bucket].ready):
             self.launch(self.next_bucket, self.buckets[self.next_bucket])
             self.next_bucket += 1
@@ -184,27 +160,20 @@ class DataParallel(nn.Module):
         if self.world > 1:
             b.work = dist.all_reduce(b.grads, async_op=True)
             self.meter.all_reduce(b.grads.nbytes, self.world)
+            if self.timeline is not None:
+                self.timeline.comm(f"bucket {k}", b.work, kind="all_reduce")
 
     def finish_grad_sync(self):
-        """After the step's last backward: reduce what is left, wait for every bucket, set p.grad to the mean."""
-        used = []
+        """After the step's last backward: reduce what is left, wait for every bucket, hand out the mean."""
         for b in self.buckets:
             for i in range(len(b.params)):
-                if not b.ready[i]:  # no gradient in this backward: maybe one from no_sync micro-steps
+                if not b.ready[i]:  # no gradient in this backward: maybe one from no_sync micro-steps, maybe none
                     self.take_grad(b, i)
-                used.append(b.used[i])
         self._launch_ready_buckets()
-        # who got a gradient on SOME rank (torch DDP's find_unused_parameters): none anywhere keeps grad None
-        used = torch.tensor(used, dtype=torch.int32, device=self.params[0].device)
-        if self.world > 1:
-            dist.all_reduce(used)
-            self.meter.all_reduce(used.numel() * used.element_size(), self.world)
-        used = iter(used.tolist())
-        anywhere = {p: next(used) > 0 for b in self.buckets for p in b.params}
         for k, b in enumerate(self.buckets):
-            self.wait(k, b)
-            b.ready, b.used = [False] * len(b.params), [False] * len(b.params)
-        self.hand_out(anywhere)
+            self.wait(k, b)  # CUDA: the stream waits, not the host
+            b.ready = [False] * len(b.params)
+        self.hand_out()
         self.next_bucket = 0
 
     def wait(self, k, b):
@@ -212,41 +181,35 @@ class DataParallel(nn.Module):
             b.work.wait()
             b.work = None
 
-    def hand_out(self, anywhere):
+    def hand_out(self):
         for b in self.buckets:
             for i, p in enumerate(b.params):
-                p.grad = b.view(b.grads, i) if anywhere[p] else None
+                p.grad = b.view(b.grads, i)
 
     def clip_grad_norm_(self, max_norm):
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
 
-    def close(self):
-        """Wait for any collective still in flight (none is left pending at exit), remove the hooks."""
+    def close(self):  # wait for what is in flight, remove the hooks
         for k, b in enumerate(self.buckets):
             self.wait(k, b)
         for h in self.hooks:
             h.remove()
-        for p in self.params:
-            p._data_parallel = False
 
 
-def train(args, world, rank, data_parallel=DataParallel):
-    """`gpt2.py train`'s loop on every rank, each on its rows; data_parallel: DataParallel or a ZeRO subclass."""
-    cfg = gpt2.model_config(args)
-    train_loader, val_loader = gpt2.make_loaders(args, rank, world, cfg.vocab_size)  # raises if a batch does not fit
+def train(args, Wrapper=DataParallel):
+    """`gpt2.py train`'s loop, each rank on its rows; returns (ddp, opt, MB sent per step) for cli's report."""
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    train_loader, val_loader = gpt2.make_loaders(args, rank, world, gpt2.model_config(args).vocab_size)
     ctx = gpt2.setup(args)
     model = gpt2.build_model(args).to(ctx.device)
-    cfg, meter = model.config, gpt2.CommMeter()
-    ddp = data_parallel(model, args.bucket_mb, meter=meter)
-    opt = ddp.make_optimizer(gpt2.optimizer_groups(model, args.weight_decay),
-                             lambda groups: gpt2.make_adamw(groups, args, ctx.device))
-    if args.compile:
-        # block by block: one whole-model graph would hand over every gradient at its end, none to overlap
-        for block in model.h:
-            block.compile()
+    cfg, meter, timeline = model.config, gpt2.CommMeter(), gpt2.Timeline(ctx, record_step=min(1, args.steps - 1))
+    ddp = NaiveDataParallel(model, meter) if args.naive else Wrapper(model, args.bucket_mb, meter, timeline)
+    groups, adamw = gpt2.optimizer_groups(model, args.weight_decay), lambda g: gpt2.make_adamw(g, args, ctx.device)
+    opt = adamw(groups) if args.naive else ddp.make_optimizer(groups, adamw)  # ZeRO: a ShardedOptimizer
+    for block in model.h if args.compile else []:  # block by block: a whole-model graph leaves nothing to overlap
+        block.compile()
     print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {world} ranks | {ctx.device} "
-           f"{ctx.dtype} | {len(ddp.buckets)} buckets of <= {args.bucket_mb:g} MB | {type(ddp).__name__} | "
-           f"broadcast {meter.take_mb():.1f} MB from rank 0")
+           f"{ctx.dtype} | {type(ddp).__name__} | broadcast {meter.take_mb():.1f} MB from rank 0")
     metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), world * args.batch_size * args.seq_len * args.grad_accum)
     profiler = gpt2.Profiler(args, ctx)
 
@@ -258,14 +221,17 @@ def train(args, world, rank, data_parallel=DataParallel):
     for step in range(args.steps):
         profiler.step(step)
         metrics.start_step()
+        timeline.start_step(step)
         lr = gpt2.set_lr(opt, step, args)
         loss_sum = torch.zeros((), device=ctx.device)
         for micro in range(args.grad_accum):
             x, y = train_loader.next_batch()
             with ddp.no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext():
-                loss = loss_fn(x, y) / args.grad_accum  # the gradient of the mean over all micro-batches
+                with timeline.compute("forward"):
+                    loss = loss_fn(x, y) / args.grad_accum  # the gradient of the mean over all micro-batches
                 loss_sum += loss.detach()
-                loss.backward()
+                with timeline.compute("backward"):
+                    loss.backward()
         ddp.finish_grad_sync()
         if args.grad_clip > 0:
             ddp.clip_grad_norm_(args.grad_clip)
@@ -275,12 +241,11 @@ def train(args, world, rank, data_parallel=DataParallel):
             dist.all_reduce(loss_sum)
             loss_sum /= world
             meter.all_reduce(loss_sum.element_size(), world)
-        loss_val = loss_sum.item()
+        loss_val = loss_sum.item()  # the step's one host sync
         gpt2.check_finite(loss_val, step)
-        opt_mb = opt_mb or optimizer_state_mb(opt)
+        opt_mb = opt_mb or sum(t.nbytes for s in opt.state.values() for t in s.values() if torch.is_tensor(t)) / 1e6
         comm.append(meter.take_mb())
-        metrics.log_step(step, loss_val, lr, comm_mb=comm[-1], opt_state_mb=opt_mb,
-                         grad_peak_mb=ddp.peak_grad_bytes / 1e6)
+        metrics.log_step(step, loss_val, lr, comm_mb=comm[-1], opt_state_mb=opt_mb)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             ddp.eval()
             metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
@@ -290,13 +255,87 @@ def train(args, world, rank, data_parallel=DataParallel):
     if ctx.master:
         gpt2.save_model(os.path.join(args.out, "model.pt"), cfg, model.state_dict())
     metrics.plot()
-    print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
-    report(args, world, ddp, opt, comm, ctx.device)
-    overlap(args, world, model, loss_fn, train_loader, ctx.device)
-    # gpt2.run_main then destroys the process group: every collective was waited for, every hook removed
+    timeline.save(os.path.join(args.out, "timeline.png"), f"one step of ddp.py ({type(ddp).__name__}): forward and "
+                  f"backward (upper bar); each bucket's collective, issue to completion (lower bar)")
+    print0(f"saved {args.out}/model.pt, {args.out}/loss.png and {args.out}/timeline.png")
+    if args.overlap_steps and world > 1:
+        exposed_communication(args, model, loss_fn, train_loader.next_batch(), timeline)
+    return ddp, opt, comm  # gpt2.run_main then destroys the process group: every collective was waited for
+
+
+def exposed_communication(args, model, loss_fn, batch, timeline):
+    """The lesson's line: ms a step waits for its gradients after backward ended, naive (all of it) vs buckets
+    (the tail). CUDA: timeline.now() is an event on the stream, which is what waits for NCCL, not the host."""
+    ms = []
+    for make in (NaiveDataParallel, lambda m: DataParallel(m, args.bucket_mb)):
+        ddp, waits = make(model), []
+        for _ in range(args.overlap_steps + 1):  # the first one warms up; the weights are not updated
+            loss_fn(*batch, net=ddp).backward()
+            t0 = timeline.now()
+            ddp.finish_grad_sync()
+            waits.append((t0, timeline.now()))
+            model.zero_grad(set_to_none=True)
+        ddp.close()
+        if timeline.cuda:
+            torch.cuda.synchronize()
+        ms.append(sum(a.elapsed_time(b) if timeline.cuda else 1e3 * (b - a) for a, b in waits[1:]) / len(waits[1:]))
+    print0(f"exposed communication after backward: naive {ms[0]:.2f} ms per step (every all-reduce) | "
+           f"{len(ddp.buckets)} buckets {ms[1]:.2f} ms (the tail) | {ms[0] / max(ms[1], 1e-9):.1f}x less")
+
+
+def make_parser():
+    p = gpt2.make_parser("Train GPT-2 data-parallel: torchrun --nproc_per_node=N ddp.py (flags of gpt2.py train).")
+    p.add_argument("--naive", action="store_true", help="NaiveDataParallel: all-reduce each gradient after backward")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (0: one per parameter)")
+    p.add_argument("--overlap-steps", type=int, default=5, help="at the end: exposed communication, naive vs buckets")
+    return p
+
+
+def main(argv=None):
+    args = make_parser().parse_args(argv)
+    gpt2.check_args(args)  # the shared checks (sizes, --lr, --device, --model); cli() adds this file's own
+    train(args)
 
 
 # ---- Beyond the core ----
+import time  # noqa: E402  (ZeRO-2's clock on CPU; the core needs none)
+
+
+# --find-unused-parameters (torch DDP's flag; Li et al. 2020, section 3.2.3): a parameter that NO rank used in the
+# step keeps grad None, as in one process (AdamW then skips it, weight decay included). It costs what the core
+# avoids: one more all-reduce and a host sync (.tolist()) every step, after every bucket.
+class FindUnusedParameters(DataParallel):
+    def __init__(self, module, bucket_mb=25.0, meter=None, timeline=None):
+        super().__init__(module, bucket_mb, meter, timeline)
+        self.used = dict.fromkeys(self.params, False)  # autograd produced a gradient for it since the last sync
+
+    def _grad_ready(self, p):
+        self.used[p] = True
+        super()._grad_ready(p)
+
+    def finish_grad_sync(self):
+        super().finish_grad_sync()  # every bucket first, so the ranks' collectives stay in the same order
+        used = torch.tensor(list(self.used.values()), dtype=torch.int32, device=self.params[0].device)
+        if self.world > 1:
+            dist.all_reduce(used)
+            self.meter.all_reduce(used.nbytes, self.world)
+        for p, anywhere in zip(self.params, used.tolist()):  # the host waits for the all-reduce here
+            if not anywhere:
+                p.grad = None
+        self.used = dict.fromkeys(self.params, False)
+
+
+def pad_to_slices(b, world):
+    """ZeRO cuts a bucket into N equal slices: pad it to a multiple of N; rank r's slice is [r*S, (r+1)*S)."""
+    b.numel = math.ceil(b.numel / world) * world
+    b.slice_numel = b.numel // world
+    return b
+
+
+def new_buffer(b):
+    return torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+
+
 # ShardedOptimizer: ZeRO-1 as an optimizer around any element-wise torch optimizer (Rajbhandari et al. 2020,
 # section 5.1, P_os): each rank keeps the state of, and updates, 1/N of every flat bucket.
 class Shard:
@@ -351,11 +390,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             layout = bucket_params(every, math.inf if bucket_mb is None else bucket_mb * 1e6)
         if {id(p) for run in layout for p in run} != {id(p) for p in every}:
             raise ValueError("ShardedOptimizer: the layout must hold exactly the parameters given")
-        self.buckets = [Bucket(run, self.world) for run in layout]
+        self.buckets = [pad_to_slices(Bucket(run), self.world) for run in layout]
         self.shards, self.bucket_shards = [], []
         with torch.no_grad():
             for k, b in enumerate(self.buckets):
-                b.weights = b.new_buffer()
+                b.weights = new_buffer(b)
                 mine_lo, mine_hi = self.rank * b.slice_numel, (self.rank + 1) * b.slice_numel
                 here = []
                 for i, p in enumerate(b.params):
@@ -429,7 +468,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         works = []
         for b in self.buckets:
             S = b.slice_numel
-            works.append(all_gather_single(b.weights, b.weights[self.rank * S: (self.rank + 1) * S], async_op=True))
+            mine = b.weights[self.rank * S: (self.rank + 1) * S]
+            works.append(gpt2.all_gather_single(b.weights, mine, async_op=True))
             self.meter.all_gather(b.weights.nbytes, self.world)
         for w in works:
             w.wait()
@@ -460,34 +500,57 @@ class ZeRO1DataParallel(DataParallel):
     receives the mean of slice r, which is exactly what rank r's pieces of the ShardedOptimizer built by
     make_optimizer (laid out on these buckets) step. Gradients 4P (the full buffers), optimizer state 8P/N."""
 
-    def __init__(self, module, bucket_mb=25.0, meter=None):
-        super().__init__(module, bucket_mb, meter)
+    def __init__(self, module, bucket_mb=25.0, meter=None, timeline=None):
+        super().__init__(module, bucket_mb, meter, timeline)
         self.optimizer = None  # the ShardedOptimizer whose pieces receive the reduced slices
 
-    def make_optimizer(self, params, optimizer_cls, **kwargs):
+    def allocate(self, b):
+        return super().allocate(pad_to_slices(b, self.world))
+
+    def make_optimizer(self, params, make):
         """The ShardedOptimizer laid out on these buckets, so a bucket's reduce-scatter leaves each rank
         exactly the gradient slice its pieces need."""
-        self.optimizer = ShardedOptimizer(params, optimizer_cls, layout=[b.params for b in self.buckets],
-                                          meter=self.meter, **kwargs)
+        self.optimizer = ShardedOptimizer(params, make, layout=[b.params for b in self.buckets], meter=self.meter)
         return self.optimizer
 
     def launch(self, k, b):
         if self.world > 1:  # in place: slice r of the buffer receives the mean of slice r over the ranks
+            b.issued = self.timeline.now() if self.timeline is not None and self.timeline.on else None
             S = b.slice_numel
-            b.work = reduce_scatter_single(b.grads[self.rank * S: (self.rank + 1) * S], b.grads, async_op=True)
+            b.work = gpt2.reduce_scatter_single(b.grads[self.rank * S: (self.rank + 1) * S], b.grads, async_op=True)
             self.meter.reduce_scatter(b.grads.nbytes, self.world)
+
+    def wait(self, k, b):
+        super().wait(k, b)
+        if getattr(b, "issued", None) is not None:  # gloo's reduce-scatter has no future: drawn issue -> waited
+            self.timeline.comm_span(f"bucket {k}", b.issued, kind="reduce_scatter")
+            b.issued = None
 
     def finish_grad_sync(self):
         if self.optimizer is None:
             raise RuntimeError(f"{type(self).__name__}: build the optimizer with make_optimizer(...) first")
         super().finish_grad_sync()
 
-    def hand_out(self, anywhere):
+    def hand_out(self):
         for s in self.optimizer.shards:
-            s.tensor.grad = self.buckets[s.bucket].grads[s.lo:s.hi] if anywhere[s.param] else None
+            s.tensor.grad = self.buckets[s.bucket].grads[s.lo:s.hi]
 
     def clip_grad_norm_(self, max_norm):
         return self.optimizer.clip_grad_norm_(max_norm)
+
+
+def clock(device):
+    """CUDA: an event recorded on the current stream (what waits for NCCL is the stream, so the host clock
+    would read ~0); CPU: the host clock. Read two with elapsed_s, once the events are done."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def elapsed_s(t0, t1):
+    return t0.elapsed_time(t1) / 1e3 if isinstance(t0, torch.cuda.Event) else t1 - t0
 
 
 # ZeRO-2 (section 5.1, P_os+g): also free each bucket's buffer once its reduce-scatter is done, keeping only
@@ -501,17 +564,15 @@ class ZeRO2DataParallel(ZeRO1DataParallel):
     micro-steps (DeepSpeed refuses no_sync with ZeRO-2 instead)."""
     in_flight = 2  # 1: backward waits on the previous bucket's reduce-scatter (bench_ddp.py measures both)
 
-    def __init__(self, module, bucket_mb=25.0, meter=None):
-        super().__init__(module, bucket_mb, meter)
+    def __init__(self, module, bucket_mb=25.0, meter=None, timeline=None):
+        super().__init__(module, bucket_mb, meter, timeline)
         self.live_grad_bytes = self.peak_grad_bytes  # the slices it keeps; buffers come and go (track)
-        self.blocked_s = 0.0  # seconds backward waited on a reduce-scatter (bench_ddp.py prints it)
+        self.blocked = []  # (clock, clock) around each wait backward made on a reduce-scatter: blocked_s()
 
     def allocate(self, b):  # only this rank's slice lives the whole run; the buffer, from take_grad to wait
+        pad_to_slices(b, self.world)
         b.grads, b.shard_grads = None, torch.zeros(b.slice_numel, dtype=b.dtype, device=b.device)
         return b.shard_grads.nbytes
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)  # autograd's own gradients, moved into a bucket one by one
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -529,7 +590,7 @@ class ZeRO2DataParallel(ZeRO1DataParallel):
                 and p.grad.is_contiguous():
             b.grads = self.track(p.grad.view(-1))  # a parameter alone: its gradient IS the buffer
         elif b.grads is None:
-            b.grads = self.track(b.new_buffer())
+            b.grads = self.track(new_buffer(b))
         if p.grad is not None and p.grad.data_ptr() != b.view(b.grads, i).data_ptr():
             # autograd's own tensor and the bucket coexist for a moment
             self.peak_grad_bytes = max(self.peak_grad_bytes, self.live_grad_bytes + p.grad.nbytes)
@@ -537,10 +598,16 @@ class ZeRO2DataParallel(ZeRO1DataParallel):
 
     def launch(self, k, b):
         if k >= self.in_flight:  # keep in_flight buckets reducing while the next one fills
-            t0 = time.perf_counter()
+            t0 = clock(b.device)
             self.wait(k - self.in_flight, self.buckets[k - self.in_flight])
-            self.blocked_s += time.perf_counter() - t0
+            self.blocked.append((t0, clock(b.device)))
         super().launch(k, b)
+
+    def blocked_s(self):
+        """Seconds backward waited on a reduce-scatter: CUDA events (the stream's wait, and the slice's add)."""
+        if self.blocked and isinstance(self.blocked[0][0], torch.cuda.Event):
+            torch.cuda.synchronize()
+        return sum(elapsed_s(t0, t1) for t0, t1 in self.blocked)
 
     def wait(self, k, b):
         """Wait for bucket k's reduce-scatter, add this rank's slice into the gradient it keeps (copy when the
@@ -557,12 +624,11 @@ class ZeRO2DataParallel(ZeRO1DataParallel):
         self.live_grad_bytes -= b.grads.nbytes
         b.grads = None
 
-    def hand_out(self, anywhere):
+    def hand_out(self):
         for s in self.optimizer.shards:
-            if anywhere[s.param]:  # else: a gradient from an earlier micro-step of this step stays
-                b = self.buckets[s.bucket]
-                base = self.rank * b.slice_numel
-                s.tensor.grad = b.shard_grads[s.lo - base: s.hi - base]
+            b = self.buckets[s.bucket]
+            base = self.rank * b.slice_numel
+            s.tensor.grad = b.shard_grads[s.lo - base: s.hi - base]
 
 
 # ---- Appendix ----
@@ -590,63 +656,46 @@ def memory_per_rank(ddp, opt):
     return measured, closed
 
 
-def report(args, world, ddp, opt, comm, device):
-    grad_mb = sum(q.numel() * q.element_size() for q in ddp.params) / 1e6
-    ring = 2 * (world - 1) / world * grad_mb
+def report(args, ddp, opt, comm):
+    """After training: bytes sent per step and memory per rank against their closed forms (ring all-reduce of
+    fp32 gradients: 2(N-1)/N x 4P per step whatever --grad-accum; ZeRO-2: (k+1)(N-1)/N x 4P), ZeRO-2's wait."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    grad_mb = sum(q.nbytes for q in ddp.module.parameters() if q.requires_grad) / 1e6
     if isinstance(ddp, ZeRO2DataParallel):  # one reduce-scatter per micro-step, one all-gather per step
         closed, how = (args.grad_accum + 1) * (world - 1) / world * grad_mb, f"({args.grad_accum}+1)(N-1)/N"
     else:
-        closed, how = ring, "2(N-1)/N"
+        closed, how = 2 * (world - 1) / world * grad_mb, "2(N-1)/N"
     print0(f"comm per step: {sum(comm) / len(comm):.3f} MB sent per rank | closed form {how} x {grad_mb:.3f} MB "
            f"of gradients = {closed:.3f} MB")
-    measured, form = memory_per_rank(ddp, opt)
-    setup = {ZeRO1DataParallel: "ZeRO-1", ZeRO2DataParallel: "ZeRO-2"}.get(type(ddp), "plain")
-    parts = [f"{k} {measured[k]:.3f} (closed {form[k]:.3f})" for k in measured]
-    print0(f"memory per rank ({setup}, MB): " + " | ".join(parts)
-           + f" | total {sum(measured.values()):.3f} (closed {sum(form.values()):.3f})")
+    if isinstance(ddp, DataParallel):
+        measured, form = memory_per_rank(ddp, opt)
+        setup = {ZeRO1DataParallel: "ZeRO-1", ZeRO2DataParallel: "ZeRO-2"}.get(type(ddp), "plain")
+        parts = [f"{k} {measured[k]:.3f} (closed {form[k]:.3f})" for k in measured]
+        print0(f"memory per rank ({setup}, MB): " + " | ".join(parts)
+               + f" | total {sum(measured.values()):.3f} (closed {sum(form.values()):.3f})")
+    device = next(ddp.module.parameters()).device
+    if isinstance(ddp, ZeRO2DataParallel):
+        clock_kind = "CUDA events" if device.type == "cuda" else "host clock"
+        print0(f"ZeRO-2: waited {ddp.blocked_s() / args.steps * 1e3:.2f} ms per step, before each launch, for the "
+               f"reduce-scatter {ddp.in_flight} buckets back ({clock_kind})")
     if device.type == "cuda":
-        print0(f"CUDA peak allocated (with activations): {torch.cuda.max_memory_allocated(device) / 1e6:.1f} MB")
+        print0(f"CUDA peak (with activations): {torch.cuda.max_memory_allocated(device) / 1e6:.1f} MB allocated, "
+               f"{torch.cuda.max_memory_reserved(device) / 1e6:.1f} MB reserved by the caching allocator")
 
 
-def measure_overlap(model, loss_fn, batch, bucket_mb, steps, device):
-    """Seconds per forward+backward+gradient sync with buckets launched during backward, and with one
-    bucket holding everything, which can only start when backward has ended (no overlap). The weights
-    are not updated."""
-    times = []
-    for mb in (bucket_mb, None):
-        ddp = DataParallel(model, mb)
-        for i in range(steps + 1):  # the first one warms up
-            if i == 1:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-            loss_fn(*batch, net=ddp).backward()
-            ddp.finish_grad_sync()
-            model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - t0) / steps)
-        ddp.close()
-    return times
-
-
-def overlap(args, world, model, loss_fn, loader, device):
-    """The `overlap:` line: what launching buckets during backward saves over one all-reduce after it."""
-    if not args.overlap_steps or world == 1:
-        return
-    t_buckets, t_one = measure_overlap(model, loss_fn, loader.next_batch(), args.bucket_mb, args.overlap_steps, device)
-    print0(f"overlap: forward+backward+sync {t_buckets * 1e3:.1f} ms with {args.bucket_mb:g} MB buckets vs "
-           f"{t_one * 1e3:.1f} ms with one bucket after backward ({t_one / t_buckets:.2f}x)"
-           + (" | CPU: gloo's threads share the cores with backward, so buckets may not pay (on GPU NCCL "
-              "runs on its own stream and SMs)" if device.type == "cpu" else ""))
-
-
-def validate(args, world):
+def validate(args):
     """Everything that would otherwise fail inside a collective, checked before the first one."""
     gpt2.check_args(args)  # the shared checks (sizes, --lr, --device, --model), then this file's own
     gpt2.check_range(args.bucket_mb, "--bucket-mb", 0, 1e6, "give 0 (one bucket per parameter) or a size in MB "
                      "(25 is the default; larger than the model: one bucket)")
     gpt2.check_range(args.overlap_steps, "--overlap-steps", 0, 1000, "give 0 (skip) or a few steps, e.g. 5")
+    if args.naive and (args.zero or args.find_unused_parameters):
+        gpt2.fail("--naive reduces every gradient after backward, with no buckets to shard or to skip", "--naive",
+                  "drop --zero / --find-unused-parameters, or drop --naive")
+    if args.zero and args.find_unused_parameters:
+        gpt2.fail("ZeRO's shards do not track unused parameters", "--find-unused-parameters",
+                  "drop it with --zero (a parameter unused on a rank gets zeros there), or use --zero 0")
+    world = int(os.environ.get("WORLD_SIZE", 1))
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if use_cuda and local_world > torch.cuda.device_count():
@@ -654,20 +703,26 @@ def validate(args, world):
                   f"use --nproc_per_node={torch.cuda.device_count()}")
 
 
-def main(argv=None):
-    p = gpt2.make_parser("Train GPT-2 data-parallel: torchrun --nproc_per_node=N ddp.py (flags of gpt2.py train).")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (one collective each; "
-                                                                 "0 = one bucket per parameter, 1e6 = one bucket)")
+def cli(argv=None):
+    """The core's flags, and the extensions': --zero 1|2, --find-unused-parameters."""
+    p = make_parser()
     p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
                    help="ZeRO stage: 1 shards AdamW's state over the ranks (ZeRO1DataParallel), 2 also the "
                         "gradients (ZeRO2DataParallel)")
-    p.add_argument("--overlap-steps", type=int, default=5, help="at the end, time N backward passes with buckets vs "
-                                                                "one bucket after backward (0 = skip)")
+    p.add_argument("--find-unused-parameters", action="store_true",
+                   help="give grad None to a parameter no rank used (one more all-reduce and host sync per step)")
     args = p.parse_args(argv)
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    validate(args, world)
-    train(args, world, rank, (DataParallel, ZeRO1DataParallel, ZeRO2DataParallel)[args.zero])
+    validate(args)
+    Wrapper = DataParallel
+    if args.zero == 1:
+        Wrapper = ZeRO1DataParallel
+    elif args.zero == 2:
+        Wrapper = ZeRO2DataParallel
+    elif args.find_unused_parameters:
+        Wrapper = FindUnusedParameters
+    ddp, opt, comm = train(args, Wrapper)
+    report(args, ddp, opt, comm)
 
 
 if __name__ == "__main__":
-    gpt2.run_main(main)
+    gpt2.run_main(cli)

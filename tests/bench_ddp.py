@@ -151,7 +151,7 @@ def main():
     for v in variants.values():  # warm up (allocations, thread pools)
         step(v, batches[0])
         if isinstance(v["dp"], ddp.ZeRO2DataParallel):
-            v["dp"].blocked_s = 0.0
+            v["dp"].blocked.clear()
     for _ in range(args.rounds):
         for v in variants.values():
             for b in batches:
@@ -177,7 +177,7 @@ def main():
         t = statistics.median(v["times"])
         mb = v["meter"].take_mb() / n_steps if v["dp"] is not None else 2 * (ctx.world - 1) / ctx.world * grad_mb
         diff = max((a - b).abs().max().item() for a, b in zip(v["model"].parameters(), ref["model"].parameters()))
-        blocked = f"{v['dp'].blocked_s / (args.rounds * args.steps) * 1e3:11.1f}" if hasattr(v["dp"], "blocked_s") \
+        blocked = f"{v['dp'].blocked_s() / (args.rounds * args.steps) * 1e3:11.1f}" if hasattr(v["dp"], "blocked_s") \
             else f"{'':11s}"
         gpt2.print0(f"{name:40s} {t * 1e3:9.1f} {t / t_ref:8.3f} {mb:9.2f} {diff:18.2e} {blocked}")
     med = {name: statistics.median(v["times"]) for name, v in variants.items()}

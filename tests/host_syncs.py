@@ -27,7 +27,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--steps", "3", "--grad-accum", "2", "--eval-every", "0", "--batch-size", "2", "--seq-len", "64"]
+TINY = ["--steps", "3", "--grad-accum", "2", "--eval-every", "0", "--batch-size", "4", "--seq-len", "64"]
 # file -> (processes, extra flags); every block of moe_ep's tiny model is a MoE layer (4)
 RUNS = {
     "gpt2.py": (1, ["train"]),
@@ -162,6 +162,14 @@ def worker(name, argv, result):
         return start_step(self)
 
     gpt2.Metrics.start_step = marked_start_step
+    next_batch = gpt2.DataLoader.next_batch
+
+    def next_batch_on_device(self, device=None):
+        """next_batch(device) hands back device memory on CUDA: fresh storages here, no longer host-born."""
+        x, y = next_batch(self, device)
+        return (x.clone(), y.clone()) if device is not None else (x, y)
+
+    gpt2.DataLoader.next_batch = next_batch_on_device
     sys.argv = [os.path.join(ROOT, name), *argv]
     try:
         with dispatch, function:

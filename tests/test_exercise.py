@@ -47,13 +47,13 @@ def test_ddp_exercise_fails_reference_passes_bug_points_at_it(tmp_path):
     (tmp_path / "bug" / "ddp.py").write_text(text.replace("1.0 / self.world", "1.0"))  # a sum, not a mean
     proc = pytest_on(tmp_path / "bug", tmp_path / "t3")
     assert proc.returncode == 1 and "what differs" in proc.stdout, proc.stdout[-3000:]
-    assert "step 1: " in proc.stdout and "the values before it agree" in proc.stdout, proc.stdout[-3000:]
+    assert "the values before it agree" in proc.stdout, proc.stdout[-3000:]  # AdamW hides the scale for ~20 steps
     assert "are gradients divided by the world size" in proc.stdout
 
 
 # The handout runs alone (issue 30): each file cut at its banner trains under torchrun and prints the same losses
 # as the whole file with the same flags. Flags a file's core needs on 2 ranks:
-CORE_FLAGS = {"ddp.py": [], "fsdp2.py": [], "tensor_parallel.py": ["--tp", "2"], "pipeline.py": [], "moe_ep.py": [],
+CORE_FLAGS = {"ddp.py": [], "fsdp2.py": [], "tensor_parallel.py": ["--tp", "2"], "pipeline.py": ["--micro-batches", "2"], "moe_ep.py": [],
               "fp8.py": [], "muon.py": [], "checkpoint.py": []}
 
 
