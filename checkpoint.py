@@ -280,7 +280,7 @@ def train(args, Checkpointer=AsyncCheckpointer):
         print0(f"saving blocked the training step {b:.1f} ms per save: " + (f"the snapshot (and any wait for the last "
                f"save); write + commit took {w:.1f} ms in a thread, --naive blocks for both: {b + w:.1f} ms" if isinstance(
                    ckpt, AsyncCheckpointer) else f"--naive; asynchronous, only the snapshot would: {b - w:.1f} ms"))
-    timeline.save(os.path.join(args.out, "timeline.png"), "checkpoint.py: training steps (upper bars) and saves (lower)")
+    timeline.save(os.path.join(args.out, "timeline.png"), "training steps (upper); a save: snapshot, write, gather, commit")
     metrics.plot()
 
 

@@ -79,12 +79,14 @@ EXERCISES = {
     ],
     "checkpoint.py": [
         ("write_durably", "write path.tmp, fsync it, rename it to path, fsync the directory; return (bytes, crc32)"),
-        ("AsyncCheckpointer.commit", "rank 0, once every shard is durable: the manifest (shards with their global "
-                                     "[lo, hi), bytes, crc32; step, world, loader position, schedule) written last"),
-        ("AsyncCheckpointer.read_slices", "for this rank's [lo, hi): copy the overlap of every shard that covers "
-                                          "it (any number of writers), and this rank's RNG state"),
-        ("AsyncCheckpointer.resume", "the slices into the weights (then all-gather) and AdamW's moments with "
-                                     "their step count, the RNG states, the loader position; return the step"),
+        ("SyncCheckpointer.commit", "rank 0, once every shard is durable: the manifest (shards with their global "
+                                    "[lo, hi), bytes, crc32; step, world, loader position, schedule) written last"),
+        ("SyncCheckpointer.read_slices", "for this rank's [lo, hi): copy the overlap of every shard that covers "
+                                         "it (any number of writers), and this rank's RNG state"),
+        ("SyncCheckpointer.resume", "the slices into the weights (then all-gather) and AdamW's moments with "
+                                    "their step count, the RNG states, the loader position; return the step"),
+        ("AsyncCheckpointer.save", "wait for the previous save, take the snapshot on the training thread, then "
+                                   "write_and_commit it in a thread (self.thread) while training goes on"),
     ],
     "fp8.py": [
         ("quantize_1x128", "one scale per row per 128 columns: amax / 448 (powers of 2 when pow2), e4m3 values"),
@@ -113,8 +115,9 @@ HINTS = {
                  "looks ahead from it; several ranks differ from one: each owner must get the MEAN gradient "
                  "(reduce-scatter, then / world) and every rank must copy back the matrices it does not own.",
     "test_checkpoint": "a resume that is not bit-exact: AdamW's step count (bias correction), the RNG state and "
-                       "the loader position are part of the state; a checkpoint left half-written: the manifest is "
-                       "written last, by rename, after every shard is durable.",
+                       "the loader position are part of the state, and the snapshot must be a copy; a durability "
+                       "failure: write path.tmp, fsync it, rename, fsync the directory, and rank 0 commits the "
+                       "manifest only after the all-gather of every rank's (bytes, crc32).",
     "test_fp8": "errors far above the figures: one scale per 1x128 tile (amax over the 128 values of a row), and the "
                 "GEMM scales each 128-wide chunk's product before adding it into the fp32 accumulator.",
 }

@@ -139,9 +139,11 @@ CASES += [  # muon
 ]
 
 CASES += [  # checkpoint
-    ("checkpoint", ["--keep", "0"], {}, "(--keep)"),
+    ("checkpoint", ["--keep", "0", "--safe"], {}, "(--keep)"),
     ("checkpoint", ["--ckpt-dir", "{tmp}/ck", "--save-every", "-1"], {}, "(--save-every)"),
-    ("checkpoint", ["--fail-at", "-2"], {}, "(--fail-at)"),
+    ("checkpoint", ["--fail-at", "-2", "--safe"], {}, "(--fail-at)"),
+    ("checkpoint", ["--keep", "3"], {}, "(--keep): add --safe"),
+    ("checkpoint", ["--naive", "--safe"], {}, "(--naive)"),
 ]
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import checkpoint
 import gpt2
-from harness import ROOT, assert_close, default_sigint, free_port, launch_env, read_metrics, run_distributed, script, \
+from harness import ROOT, assert_close, compare, default_sigint, free_port, launch_env, read_metrics, run_distributed, script, \
     train_losses
 
 STEPS = 20
@@ -34,6 +34,12 @@ def flags(data, out, batch_size, *extra):
     return ["--data", data, "--n-layer", "2", "--n-embd", "32", "--seq-len", "32", "--steps", str(STEPS),
             "--batch-size", str(batch_size), "--device", "cpu", "--dtype", "float32", "--eval-every", "0", "--warmup", "5",
             "--lr", "3e-3", "--out", out, *extra]
+
+
+def long_run(data, out, batch_size):
+    """The default model and recipe (tiny, lr 1e-3, warmup 20, clip 1.0) over 60 steps, shrunk to 64-token rows."""
+    return ["--data", data, "--steps", "60", "--batch-size", str(batch_size), "--seq-len", "64", "--device", "cpu",
+            "--dtype", "float32", "--eval-every", "0", "--out", out]
 
 
 def steps_in(ck):
@@ -141,20 +147,18 @@ def test_the_mean_gradient_after_one_step_at_grad_accum_2_equals_gpt2s(one_step,
     shards = [checkpoint.parse_shard(checkpoint.read_bytes(f"{root}/ck/step_000001/{sh['file']}")) for sh in man["shards"]]
     exp_avg = torch.cat([s["exp_avg"] for s in shards])
     ref, beta1 = reference_gradient(shakespeare, str(tmp_path / "ref")), 0.9
-    names, ours, theirs = [], [], []
-    for name, shape, off in man["layout"]:
-        g = exp_avg[off: off + ref[name].numel()] / (1 - beta1)
-        names.append(name)
-        ours.append(g.norm().item())
-        theirs.append(ref[name].norm().item())
-        ratio = ours[-1] / theirs[-1]
+    grads = {name: exp_avg[off: off + ref[name].numel()] / (1 - beta1) for name, _, off in man["layout"]}
+    ours, theirs = [g.norm().item() for g in grads.values()], [ref[name].norm().item() for name in grads]
+    compare("gradient norm per tensor (in layout order) after one step, checkpoint.py 2 ranks x --grad-accum 2 vs "
+            "gpt2.py", ours, theirs, 1e-4, hint="a factor 2: the reduce-scatter SUMs the ranks and each slice must be "
+            "divided by the world size (a mean); 0.5: divided twice")
+    for name, g in grads.items():
+        ratio = g.norm().item() / ref[name].norm().item()
         assert abs(ratio - 1) < 1e-4, f"mean gradient after one step, {name}: 2 ranks x --grad-accum 2 give {ratio:.4f} " \
             "x gpt2.py's (a factor 2: the reduce-scatter SUMs the ranks and the slice is not divided by the world size, " \
             "not a mean; 0.5: divided twice)"
         assert torch.allclose(g, ref[name].reshape(-1), rtol=1e-4, atol=1e-7), f"mean gradient after one step, {name}: " \
             f"differs from gpt2.py's by {(g - ref[name].reshape(-1)).abs().max():.2e} (not a scale: the flat layout?)"
-    assert_close("gradient norm per tensor after one step, checkpoint.py 2 ranks x --grad-accum 2 vs gpt2.py", ours, theirs,
-                 1e-4, hint="exp_avg / (1 - beta1) after one step is the mean gradient")
     # and the losses of both steps: checkpoint.py 2 ranks x 2 x --grad-accum 2 = gpt2.py with one batch of 8
     gpt2.train(flags(shakespeare, str(tmp_path / "gpt2"), 8, "--grad-clip", "0", "--steps", "2"))
     assert_close("train loss, checkpoint.py 2 ranks --batch-size 2 --grad-accum 2 vs gpt2.py --batch-size 8 (fp32)",
@@ -216,6 +220,7 @@ def _straight_then_resume(rank, world, data, root):
         shutil.copytree(f"{root}/ck_async/step_000010", f"{root}/ck_resume/step_000010")
     dist.barrier()
     checkpoint.cli(flags(data, f"{root}/resumed", 4, "--ckpt-dir", f"{root}/ck_resume", *every))
+    checkpoint.cli(long_run(data, f"{root}/long", 2))
     # faults on one rank only: both ranks must stop at the same point, with one error each, nothing moved
     faults, read, write = {}, checkpoint.read_bytes, checkpoint.write_durably
     checkpoint.READ_BACKOFF_S = 0.01
@@ -300,6 +305,19 @@ def test_bit_exact_resume_on_two_ranks_and_zero1_matches_gpt2(straight, shakespe
     gpt2.train(flags(shakespeare, str(tmp_path / "gpt2"), 8, "--steps", "4"))
     assert_close("train loss, checkpoint.py 2 ranks fp32 vs gpt2.py (steps 0-3)", full_loss[:4],
                  train_losses(str(tmp_path / "gpt2")), 1e-5)
+
+
+def test_60_steps_of_the_default_model_follow_gpt2(straight, shakespeare, tmp_path):
+    """2 ranks x 2 rows vs gpt2.py's 4 rows, 60 steps of the default model and schedule. Measured: within 1.9e-6
+    through step 42; step 43 is a loss spike (6.29 -> 8.28 here, 8.13 in gpt2.py: 1.8e-2) that magnifies the
+    1e-6 weight differences of another summation order; from step 44 on within 1.3e-4 again."""
+    gpt2.train(long_run(shakespeare, str(tmp_path / "gpt2"), 4))
+    ours, ref = train_losses(f"{straight}/long"), train_losses(str(tmp_path / "gpt2"))
+    assert_close("train loss, checkpoint.py 2 ranks ZeRO-1 vs gpt2.py, default model, steps 0-42", ours[:43], ref[:43], 1e-5,
+                 hint="before the loss spike at step 43 the curves agree to fp32 rounding: check the gradient mean")
+    assert_close("train loss, checkpoint.py 2 ranks ZeRO-1 vs gpt2.py, default model, steps 44-59", ours[44:], ref[44:],
+                 1e-3, steps=list(range(44, 60)), hint="after the spike the curves agree again (measured 1.3e-4)")
+    assert_close("train loss, checkpoint.py 2 ranks ZeRO-1 vs gpt2.py, default model, steps 0-59", ours, ref, 5e-2)
 
 
 def test_naive_saves_the_same_checkpoints_and_blocks_the_step(straight):
