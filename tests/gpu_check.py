@@ -76,7 +76,7 @@ def plan(gpus, data, out, smoke=False):
         ckpt = os.path.join(out, "ckpt_dir")
         half = str(int(steps) // 2)  # saved at step `half`, the last rank dies 2 steps later, one rank resumes
         row("checkpoint.py 2 ranks, saves, dies", 2, ["checkpoint.py", *eq, "--batch-size", "4", "--ckpt-dir", ckpt,
-                                                      "--save-every", half, "--fail-at", str(int(half) + 2)], "crash")
+                                                      "--save-every", half, "--fail-at", str(int(half) + 2), "--safe"], "crash")
         row("checkpoint.py resumed on 1 rank", 1, ["checkpoint.py", *eq, "--batch-size", "8", "--ckpt-dir", ckpt,
                                                    "--save-every", half], "equal", gpt)
         rows[-1]["argv"][-1] = rows[-2]["out"]  # the same --out: the resumed run continues its metrics
