@@ -486,12 +486,13 @@ def _four_rank_worker(rank, world, data, out):
     torch.manual_seed(0)
     x, y = torch.randint(0, 50257, (8, 16)), torch.randint(0, 50257, (8, 16))
     result = {}
-    for name in ("1f1b", "dualpipe"):  # each replica steps on its half: the gradient is the mean over both
-        args = pl.make_cli_parser().parse_args(["--schedule", name, "--micro-batches", "4", "--batch-size", "4", "--dp",
-                                                "2", "--data", data, "--out", os.path.join(out, "g" + name)] + SMALL)
-        pipe = pl.pipeline_class(name)(args, gpt2.setup(args), pl.check_args(args, world))
+    for name in ("naive", "1f1b", "dualpipe"):  # each replica steps on its half: the gradient is the mean over both
+        flags = ["--naive"] if name == "naive" else ["--schedule", name]
+        args = pl.make_cli_parser().parse_args(flags + ["--micro-batches", "4", "--batch-size", "4", "--dp", "2",
+                                                        "--data", data, "--out", os.path.join(out, "g" + name)] + SMALL)
+        pipe = pl.pipeline_class(args.schedule)(args, gpt2.setup(args), pl.check_args(args, world))
         half = slice(4 * pipe.replica, 4 * pipe.replica + 4)
-        pipe.run(x[half], y[half], 1.0 / pipe.M)
+        (functools.partial(pl.naive_step, pipe) if name == "naive" else pipe.run)(x[half], y[half], 1.0 / pipe.M)
         pipe.sync_grads()
         ref = gpt2.build_model(args)
         ref(x, y)[1].backward()  # the unsplit model on the whole batch of 8: the mean over both replicas' halves
@@ -510,7 +511,7 @@ def _four_rank_worker(rank, world, data, out):
 
 def test_four_ranks(shakespeare, tmp_path, baselines):
     results = run_distributed(_four_rank_worker, 4, shakespeare, str(tmp_path), timeout=300)
-    for name in ("1f1b", "dualpipe"):
+    for name in ("naive", "1f1b", "dualpipe"):
         for rank, res in enumerate(results):
             check_tensors(f"gradient, {name} --dp 2 rank {rank} vs the unsplit model on both replicas' batches",
                           res[name], "--dp: every gradient summed over the stage's D replicas, then / D (a mean)")
