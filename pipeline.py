@@ -277,9 +277,9 @@ class Pipeline:
             p.grad /= self.D
 
     def clip_grad_norm(self, max_norm):
-        """gpt2.py's --grad-clip over the whole pipeline (the tied wte counted once, on the first stage)."""
+        """gpt2.clip_grad_norm_ over the whole pipeline (squares summed; the tied wte counted once, on the first stage)."""
         head = self.model.lm_head.weight if self.P > 1 and self.last else None  # wte's copy: counted on rank 0
-        sq = sum((torch.linalg.vector_norm(p.grad.float()).square() for p in self.model.parameters() if p is not head),
+        sq = sum((p.grad.float().pow(2).sum() for p in self.model.parameters() if p is not head),
                  torch.zeros((), device=self.ctx.device))
         if self.P > 1:
             self.all_reduce(sq, self.pp_group)  # the sum of squares over the stages
@@ -546,7 +546,7 @@ class MultiStage(Pipeline):
         head = self.model.lm_head.weight if self.tied_split and self.last else None  # wte's copy: counted on rank 0
         params = [] if min(self.copies(self.pp_rank)) != self.pp_rank else [
             p for p in self.model.parameters() if p is not head]
-        sq = sum((torch.linalg.vector_norm(p.grad.float()).square() for p in params),
+        sq = sum((p.grad.float().pow(2).sum() for p in params),
                  torch.zeros((), device=self.ctx.device))
         if self.P > 1:
             self.all_reduce(sq, self.pp_group)
