@@ -1,32 +1,31 @@
 """
 checkpoint.py - sharded, asynchronous, crash-safe checkpoints of a ZeRO-1 run, resharded on load, resumed bit-exact.
 
-A long run will be killed (preemption, a dead GPU) and must continue exactly where it stopped. Its optimizer state is
-sharded (minimal ZeRO-1: rank r owns 1/N of the flat fp32 params and AdamW moments), so the checkpoint is too: each
-rank copies its slice to CPU and writes it in the background while training goes on; rank 0 commits, once every shard
-is durable, by renaming the manifest into place. A restart loads the newest commit onto any number of ranks (re-cut by
-global offset) with the data position and RNG states: bit for bit at the same world size, ~1e-7 on another (fp32 order).
+A killed run must continue exactly where it stopped. ZeRO-1 shards the optimizer state (rank r owns 1/N of the flat fp32
+params and AdamW moments), so the checkpoint is sharded too. The naive save (--naive) writes on the training thread,
+which waits for the disk; the real one copies to CPU memory and a thread writes while training goes on (CheckFreq).
 
-    flat fp32 params [======= rank 0: params, exp_avg, exp_avg_sq =======|======= rank 1: the same =======]
-    a step: full grads -> reduce-scatter (my slice, mean) -> AdamW on my slice -> all-gather the params
-    save S  main thread:   wait for save S-k | copy my slices + RNG + loader position to CPU | train on
-            writer thread: step_S/rankR-of-N.safetensors: write, fsync, rename, fsync the dir -> all-gather
-                           (bytes, crc32) -> rank 0: manifest.json.tmp, fsync, rename (the commit), fsync the dir
-    load    N writers -> M readers: rank r needs [r*L, (r+1)*L), L = padded/M: it reads the overlapping shards
+    rank 0  training [ step S-1 ]snapshot S[ step S ][ step S+1 ]      snapshot: my slices -> CPU (the step waits)
+            writer             [ write S ](gather....)[ commit S ]     --naive: all of it before step S starts
+    rank 1  training [ step S-1 ]snapshot S[ step S ][ step S+1 ]      commit: rank 0 renames manifest.json into place
+            writer             [ write S    ](gather.)
 
-    bytes per step   2 x (N-1)/N x 4P (reduce-scatter + all-gather of the flat fp32 vector) + 12 B of all-reduces
-    memory per rank  4P params + 4P grads + 4P/N grad slice + 8P/N moments (ddp.py: 16P)
-    one save         12P/N bytes per rank (params + 2 moments) + RNG, copied into 12P/N bytes of host memory
+    who writes what   rank r: step_S/rankR-of-N.pt = [r*L, (r+1)*L) of params, exp_avg, exp_avg_sq (L = ceil(P/N)), its
+                      RNG, the data position; rank 0, after an all-gather of every (bytes, crc32): step_S/manifest.json,
+                      last. Each file: .tmp, fsync, rename, fsync the directory. No manifest: never happened (skipped).
+    resharding N->M   reader r needs [r*L', (r+1)*L'), L' = ceil(P/M): the shards that overlap it (the manifest's global
+                      [lo, hi)), its RNG from old rank r. Bit-exact when M = N, ~1e-7 otherwise (fp32 sums).
+    who sums what     the gradient: reduce-scatter SUM over the N ranks, then each rank divides its slice by N (a mean);
+                      the clip norm: every slice's sum of squares, all-reduced (SUM). A checkpoint sums nothing: it copies.
 
-    torchrun --nproc_per_node=2 checkpoint.py --ckpt-dir out/ckpt --save-every 50   # resumes if it can
-    python checkpoint.py --ckpt-dir out/ckpt --batch-size 16         # one process, same global batch: 2 -> 1
-References: ZeRO (Rajbhandari et al. 2020, section 5.1, P_os); CheckFreq (Mohan et al., FAST'21, section 4: snapshot to
-memory, persist in the background); Check-N-Run (Eisenman et al., NSDI'22); DCP and Megatron-LM's dist_checkpointing
-(resharding by global offsets); the safetensors layout. From gpt2.py: model, data, recipe, setup, collectives, print0.
+read first: Zero1.reduce_scatter_grads, SyncCheckpointer.save, write_durably, AsyncCheckpointer.save, read_slices.
 """
+import glob
+import io
 import json
 import os
-import shutil
+import shlex
+import sys
 import threading
 import time
 import zlib
@@ -37,8 +36,6 @@ import torch.distributed as dist
 
 import gpt2
 from gpt2 import all_gather_single, print0, reduce_scatter_single
-
-DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.uint8: "U8"}  # safetensors' names
 
 
 class Zero1:
@@ -52,7 +49,6 @@ class Zero1:
         self.numel = sum(p.numel() for _, p in named)
         self.n_decay = sum(p.numel() for _, p in named if p.dim() >= 2)
         self.shard = -(-self.numel // self.world)  # ceil: pad so every rank holds an equal slice
-        check_world_size(self.world, self.shard, self.numel)
         self.flat = torch.zeros(self.shard * self.world, device=ctx.device, dtype=torch.float32)
         self.grad = torch.zeros_like(self.flat)
         self.layout, off = [], 0
@@ -89,8 +85,15 @@ class Zero1:
             all_gather_single(self.flat, self.flat[self.ctx.rank * self.shard: (self.ctx.rank + 1) * self.shard])
             self.comm.all_gather(self.flat.numel() * 4, self.world)
 
-    def zero_grad(self):
-        self.grad.zero_()  # never set_to_none: the .grad views must keep pointing into self.grad
+
+def write_durably(path, data):  # path.tmp, fsync, rename to path, fsync the directory -> (bytes, crc32)
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)  # releases the GIL on a large buffer: training goes on meanwhile
+        f.flush()
+        os.fsync(f.fileno())  # the bytes on disk before the name: a crash never leaves `path` half-written
+    os.replace(path + ".tmp", path)  # atomic: path is the old file or the new one, never a mix
+    fsync_dir(os.path.dirname(path))  # the rename itself durable
+    return len(data), zlib.crc32(data)  # crc32 catches flipped bits and torn writes (not tampering)
 
 
 def fsync_dir(path):  # makes a rename in the directory durable, not only the file's bytes
@@ -99,123 +102,82 @@ def fsync_dir(path):  # makes a rename in the directory durable, not only the fi
     os.close(fd)
 
 
-def write_shard(path, tensors, meta):  # CPU tensors, safetensors layout: header length, JSON header, raw bytes
-    header, off = {"__metadata__": {k: json.dumps(v) for k, v in meta.items()}}, 0
-    for k, t in tensors.items():
-        header[k] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
-        off += t.nbytes
-    hb = json.dumps(header).encode()
-    hb += b" " * (-len(hb) % 8)
-    return write_durably(path, [len(hb).to_bytes(8, "little"), hb] +
-                         [t.reshape(-1).view(torch.uint8).numpy() for t in tensors.values()])
+class SyncCheckpointer:
+    """The naive save (--naive): all on the training thread, which waits for the disk. And the load all share."""
 
-
-def write_durably(path, chunks):  # path.tmp, fsync, rename to path, fsync the directory -> (bytes, crc32)
-    crc, size = 0, 0
-    with open(path + ".tmp", "wb") as f:
-        for c in chunks:
-            f.write(c)  # both release the GIL on large buffers: training goes on meanwhile
-            crc = zlib.crc32(c, crc)  # catches flipped bits and torn writes at ~3 GB/s (not tampering)
-            size += len(c)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-    fsync_dir(os.path.dirname(path))
-    return size, crc
-
-
-def read_bytes(path):
-    with open(path, "rb") as f:
-        data = bytearray(os.fstat(f.fileno()).st_size)
-        f.readinto(data)  # straight into a writable buffer: no extra copy for frombuffer
-    return data
-
-
-def parse_shard(data):  # a shard's bytes -> (tensors viewing them, metadata)
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8: 8 + n])
-    meta = {k: json.loads(v) for k, v in header.pop("__metadata__").items()}
-    dt, tensors = {v: k for k, v in DTYPES.items()}, {}
-    for k, m in header.items():
-        (a, b), t = m["data_offsets"], dt[m["dtype"]]
-        tensors[k] = torch.frombuffer(data, dtype=t, count=(b - a) // t.itemsize, offset=8 + n + a).view(m["shape"]) \
-            if b > a else torch.empty(m["shape"], dtype=t)
-    return tensors, meta
-
-
-class AsyncCheckpointer:
-    """Save: copy to CPU, write in a thread, rank 0 commits the manifest last. Load: the newest commit."""
-
-    def __init__(self, args, ctx, zero, comm):
-        self.args, self.ctx, self.zero, self.comm, self.thread = args, ctx, zero, comm, None
+    def __init__(self, args, ctx, zero, timeline):
+        self.args, self.ctx, self.zero, self.timeline = args, ctx, zero, timeline
+        self.ms = {"blocked": [], "write": []}  # per save: how long the step waited, how long write + commit took
         # the writer's own gloo group: collectives on a group come in one order on all ranks; the trainer's differs
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)) if ctx.world > 1 else None
 
     def after_step(self, step, opt, loader):
         if self.args.save_every and (step % self.args.save_every == 0 or step == self.args.steps):
+            t0 = time.perf_counter()
             self.save(step, opt, loader)  # the state *after* step - 1: a resume runs step next
+            self.ms["blocked"].append(1e3 * (time.perf_counter() - t0))
 
-    def snapshot(self, opt):
-        """This rank's slice and its two moments, copied to CPU now: the next optimizer step overwrites them."""
+    def save(self, step, opt, loader):  # the naive way: training goes on once the checkpoint is committed
+        self.write_and_commit(step, *self.snapshot(step, opt, loader))
+
+    def wait(self):  # nothing in flight: save() returned after the commit
+        pass
+
+    def snapshot(self, step, opt, loader):  # what a resume needs, on the CPU, before the next step changes it
         z = self.zero
-        out = {"params": z.flat[z.lo: z.hi]} | {k: torch.cat([opt.state[p][k] for p in z.params]) for k in
-                                                ("exp_avg", "exp_avg_sq")}
-        out = {k: v.to("cpu", copy=True) for k, v in out.items()} | {"rng_cpu": torch.get_rng_state()}
-        if self.ctx.device.type == "cuda":
-            out["rng_cuda"] = torch.cuda.get_rng_state(self.ctx.device)
-        return out, None
+        with self.timeline.compute(f"snapshot {step}", "io"):
+            out = {"params": z.flat[z.lo: z.hi]} | {k: torch.cat([opt.state[p][k] for p in z.params]) for k in
+                                                    ("exp_avg", "exp_avg_sq")}
+            out = {k: v.to("cpu", copy=True) for k, v in out.items()} | {"rng_cpu": torch.get_rng_state()}  # copies
+            if self.ctx.device.type == "cuda":
+                out["rng_cuda"] = torch.cuda.get_rng_state(self.ctx.device)
+        return out, {"step": step, "rank": z.ctx.rank, "world": z.world, "lo": z.lo, "hi": z.hi, "loader": loader.state_dict()}
 
-    def save(self, step, opt, loader):
-        """Block only for the previous save and for the copy to CPU; the rest runs in the background."""
-        self.wait()  # a new save waits for the previous one
-        tensors, event = self.snapshot(opt)
-        meta = {"step": step, "rank": self.ctx.rank, "world": self.ctx.world, "lo": self.zero.lo, "hi": self.zero.hi,
-                "loader": loader.state_dict(), "config": self.zero.config}
-        self.thread = threading.Thread(target=self.write_and_commit, args=(step, tensors, meta, event), daemon=True)
-        self.thread.start()
+    def write_and_commit(self, step, tensors, meta):  # every rank's shard durable, then rank 0 commits
+        t0, d = time.perf_counter(), os.path.join(self.args.ckpt_dir, f"step_{step:06d}")
+        with self.timeline.compute(f"write {step}", "io"):
+            report = self.write(d, tensors, meta)
+        with self.timeline.compute("gather", "all_gather"):  # every rank's (bytes, crc32) to every rank
+            reports = report.repeat(self.ctx.world, 1)
+            if self.group is not None:  # returns once every shard is durable
+                all_gather_single(reports.view(-1), report, group=self.group)
+        if self.ctx.master:
+            with self.timeline.compute(f"commit {step}", "io"):
+                self.commit(step, d, reports, meta["loader"])
+        self.ms["write"].append(1e3 * (time.perf_counter() - t0))
 
-    def wait(self):
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-
-    def write(self, d, tensors, meta, event):  # the writer thread: this rank's shard, durable -> [bytes, crc32]
+    def write(self, d, tensors, meta):  # this rank's shard, durable -> [bytes, crc32]
         os.makedirs(d, exist_ok=True)
-        out = write_shard(os.path.join(d, f"rank{self.ctx.rank:05d}-of-{self.ctx.world:05d}.safetensors"), tensors, meta)
+        torch.save(tensors | {"meta": meta}, buf := io.BytesIO())
+        out = write_durably(os.path.join(d, f"rank{self.ctx.rank:05d}-of-{self.ctx.world:05d}.pt"), buf.getbuffer())
         fsync_dir(self.args.ckpt_dir)  # the step directory's own entry: another node's rank may have made it
         return torch.tensor(out, dtype=torch.int64)
 
-    def gather_reports(self, report):  # every rank's [bytes, crc32] to every rank, on the writer's group
-        reports = torch.zeros(self.ctx.world, 2, dtype=torch.int64) if self.group is not None else report.view(1, 2)
-        if self.group is not None:
-            all_gather_single(reports.view(-1), report, group=self.group)
-        return reports
-
-    def write_and_commit(self, step, tensors, meta, event):
-        d = step_dir(self.args.ckpt_dir, step)
-        reports = self.gather_reports(self.write(d, tensors, meta, event))
-        if self.ctx.master:
-            self.commit(step, d, reports, meta["loader"])
-
-    def commit(self, step, d, reports, loader_state):
-        """Rank 0, every shard durable: the manifest last, by atomic rename (with what a resume must agree with)."""
+    def commit(self, step, d, reports, loader_state):  # rank 0, every shard durable: the manifest, last
         z, W, a = self.zero, self.ctx.world, self.args
-        shards = [{"file": f"rank{r:05d}-of-{W:05d}.safetensors", "lo": r * z.shard, "hi": min((r + 1) * z.shard, z.numel),
+        shards = [{"file": f"rank{r:05d}-of-{W:05d}.pt", "lo": r * z.shard, "hi": min((r + 1) * z.shard, z.numel),
                    "bytes": nbytes, "crc32": crc} for r, (nbytes, crc) in enumerate(reports.tolist())]
-        manifest = {"format": 2, "step": step, "world": W, "numel": z.numel, "config": z.config, "layout": z.layout,
-                    "schedule": {"lr": a.lr, "warmup": a.warmup, "steps": a.steps}, "global_batch": W * a.batch_size * a.grad_accum,
-                    "seq_len": a.seq_len, "loader": loader_state, "shards": shards}
-        write_durably(os.path.join(d, "manifest.json"), [json.dumps(manifest).encode()])
+        manifest = {"format": 3, "step": step, "world": W, "numel": z.numel, "config": z.config, "layout": z.layout,
+                    "schedule": {"lr": a.lr, "warmup": a.warmup, "steps": a.steps},
+                    "global_batch": W * a.batch_size * a.grad_accum, "seq_len": a.seq_len, "loader": loader_state, "shards": shards}
+        write_durably(os.path.join(d, "manifest.json"), json.dumps(manifest).encode())
+        gpt2.RUN["resume"] = self.resume_hint(step)  # what a Ctrl-C prints
 
     def load_latest(self, opt, loader):  # the newest committed checkpoint (one with manifest.json), or step 0
-        for step in list_checkpoints(self.args.ckpt_dir):  # the steps of ckpt_dir/step_NNNNNN, newest first
-            if os.path.exists(path := os.path.join(step_dir(self.args.ckpt_dir, step), "manifest.json")):
-                man = json.loads(read_bytes(path))
-                return self.resume(man, *self.read_slices(man, step_dir(self.args.ckpt_dir, step)), opt, loader)
+        for d in sorted(glob.glob(os.path.join(self.args.ckpt_dir, "step_" + "[0-9]" * 6)), reverse=True):
+            if os.path.exists(os.path.join(d, "manifest.json")):  # newest first; uncommitted ones are skipped
+                man = json.loads(open(os.path.join(d, "manifest.json")).read())
+                gpt2.RUN["resume"] = self.resume_hint(man["step"])
+                return self.resume(man, *self.read_slices(man, d), opt, loader)
         return 0
 
-    def read_shard(self, path, sh, step):
-        return parse_shard(read_bytes(path))
+    def resume_hint(self, step):  # what a Ctrl-C or a lost peer prints: the command that continues this run
+        local, world = os.environ.get("LOCAL_WORLD_SIZE", "1"), str(self.ctx.world)
+        launch = "python" if world == "1" else f"torchrun --nproc_per_node={local}{' (and your --nnodes)' * (local != world)}"
+        return f"step {step} is committed in {self.args.ckpt_dir}; continue with: {launch} {shlex.join(sys.argv)}"
+
+    def read_shard(self, path):  # {"params", "exp_avg", "exp_avg_sq", "rng_cpu", ("rng_cuda",) "meta"}
+        return torch.load(path, weights_only=True)
 
     def read_slices(self, man, d):
         """My slices [lo, hi) from any number of writers: the overlapping shards, and my rank's for the RNG."""
@@ -224,11 +186,11 @@ class AsyncCheckpointer:
         for r, sh in enumerate(man["shards"]):
             a, b = max(sh["lo"], z.lo), min(sh["hi"], z.hi)
             if a < b or r == self.ctx.rank:
-                tensors, _ = self.read_shard(os.path.join(d, sh["file"]), sh, man["step"])
+                tensors = self.read_shard(os.path.join(d, sh["file"]))
                 for k in out if a < b else ():
                     out[k][a - z.lo: b - z.lo] = tensors[k][a - sh["lo"]: b - sh["lo"]]
                 if r == self.ctx.rank:  # a rank that did not exist in the old world keeps its seeded RNG
-                    rng = {k: tensors[k].clone() for k in ("rng_cpu", "rng_cuda") if k in tensors}
+                    rng = {k: tensors[k] for k in ("rng_cpu", "rng_cuda") if k in tensors}
         return out, rng
 
     def resume(self, man, slices, rng, opt, loader):  # my slices into the weights and AdamW; RNG and loader
@@ -247,87 +209,131 @@ class AsyncCheckpointer:
         return step
 
 
+class AsyncCheckpointer(SyncCheckpointer):
+    """The real save (CheckFreq, section 4): the step waits for the snapshot only; a thread writes and commits."""
+    thread = None
+
+    def save(self, step, opt, loader):
+        self.wait()  # a new save waits for the previous one
+        self.thread = threading.Thread(target=self.write_and_commit, args=(step, *self.snapshot(step, opt, loader)),
+                                       daemon=True)
+        self.thread.start()
+
+    def wait(self):
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+
 def train(args, Checkpointer=AsyncCheckpointer):
-    """gpt2.train's loop on ZeRO-1, resumed from and saved to --ckpt-dir (main() passes SafeCheckpointer)."""
-    ctx = gpt2.setup(args, resumes=True)  # a run continues in its --out (parse_args refused an unrelated one)
+    """gpt2.train's loop on ZeRO-1, resumed from and saved to --ckpt-dir."""
+    ctx = gpt2.setup(args, resumes=True)  # a run continues in its --out (cli() refuses an unrelated one)
     comm = gpt2.CommMeter()
     model = gpt2.build_model(args).to(ctx.device)
     zero = Zero1(model, args, ctx, comm)
     opt = gpt2.make_adamw(zero.optimizer_groups, args, ctx.device)
     train_loader, val_loader = gpt2.make_loaders(args, ctx.rank, ctx.world, model.config.vocab_size)
-    ckpt = Checkpointer(args, ctx, zero, comm) if args.ckpt_dir else None
+    timeline, k = gpt2.Timeline(ctx), args.save_every if args.ckpt_dir else 0
+    ckpt = Checkpointer(args, ctx, zero, timeline) if args.ckpt_dir else None
     start = ckpt.load_latest(opt, train_loader) if ckpt else 0
-    if start >= args.steps:
-        return print0(f"checkpoint at step {start} >= --steps {args.steps}: nothing left to train")
+    timeline.record_step = -(-(start + 2) // k) * k - 1 if k else start + 1  # a step that ends with a save (not the first)
     fwd = torch.compile(model) if args.compile else model
     tokens = ctx.world * args.batch_size * args.seq_len * args.grad_accum  # metrics.jsonl keeps the curve before start
     metrics = gpt2.Metrics(args, ctx, model.config, model.num_params(), tokens, resume_step=start)
     profiler = gpt2.Profiler(args, ctx)
-    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {ctx.world} ranks x "
-           f"{zero.shard:,} flat params each | device {ctx.device} {ctx.dtype}")
 
     def loss_fn(x, y):
         with ctx.autocast():
             return fwd(x, y)[1]
 
     for step in range(start, args.steps):
+        if step == timeline.record_step:
+            timeline.start_step(step)  # once: it records on, over the steps the save's write and commit overlap
+        elif timeline.on and step > timeline.record_step + 1 and (not k or ckpt.ms["write"]):
+            timeline.stop()  # one more step drawn, and that save is committed
         profiler.step(step)
         metrics.start_step()
-        lr = gpt2.set_lr(opt, step, args)
+        t0, lr = timeline.now(), gpt2.set_lr(opt, step, args)
         loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
         zero.reduce_scatter_grads()
         if args.grad_clip > 0:
             zero.clip_global_grad_norm(args.grad_clip)
         opt.step()
         zero.all_gather_params()
-        zero.zero_grad()
+        zero.grad.zero_()  # never set_to_none: the .grad views must keep pointing into zero.grad
         if ctx.world > 1:  # the logged loss: the mean over the global batch, as in one process
             dist.all_reduce(loss_sum)
             comm.all_reduce(4, ctx.world)
+        timeline.comm_span(f"step {step}", t0, "compute")
         loss_val = (loss_sum / ctx.world).item()
         gpt2.check_finite(loss_val, step)
-        block_ms = timed_ms(ckpt.after_step, step + 1, opt, train_loader) if ckpt else 0.0  # saves on schedule
-        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb(), ckpt_block_ms=block_ms)
+        if ckpt:
+            ckpt.after_step(step + 1, opt, train_loader)  # saves on schedule
+        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb())
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             model.eval()
             metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
-    if ckpt:
-        wait_for_the_last_save(ckpt)  # the last save commits before the run ends
+    if ckpt and ckpt.ms["blocked"]:
+        ckpt.wait()  # the last save commits before the run ends
+        b, w = (sum(v) / max(len(v), 1) for v in ckpt.ms.values())  # ms per save: the step blocked; write + commit
+        print0(f"saving blocked the training step {b:.1f} ms per save: " + (f"the snapshot (and any wait for the last "
+               f"save); write + commit took {w:.1f} ms in a thread, --naive blocks for both: {b + w:.1f} ms" if isinstance(
+                   ckpt, AsyncCheckpointer) else f"--naive; asynchronous, only the snapshot would: {b - w:.1f} ms"))
+    timeline.save(os.path.join(args.out, "timeline.png"), "checkpoint.py: training steps (upper bars) and saves (lower)")
     metrics.plot()
 
 
+def make_parser():
+    p = gpt2.make_parser("GPT-2 on ZeRO-1 with sharded, asynchronous, crash-safe checkpoints and resharding resume.")
+    p.add_argument("--ckpt-dir", help="checkpoint directory; the newest committed checkpoint in it is resumed")
+    p.add_argument("--save-every", type=int, default=0, help="save every N steps, and after the last (0 = never)")
+    p.add_argument("--naive", action="store_true", help="save synchronously: the training step waits for the disk")
+    return p
+
+
+def main(argv=None):  # the core alone; the file's entry point is cli() (its checks, its extensions)
+    args = make_parser().parse_args(argv)
+    gpt2.check_args(args)
+    train(args, SyncCheckpointer if args.naive else AsyncCheckpointer)
+
+
 # ---- Beyond the core ----
-# PinnedSnapshots: the snapshot into reused pinned host buffers, queued on the GPU's stream (CheckFreq section 4).
-# SafeCheckpointer (main() uses it): finite weights before a snapshot, a failure handshake, --keep, read retries,
-# CRC-32 verdicts, corrupt checkpoints set aside, --allow-fresh-start, --fail-at. The --ckpt-dir lock: the appendix.
+# PinnedSnapshots (--pinned): the snapshot into reused pinned host buffers, queued on the GPU's stream (CheckFreq
+# section 4). SafeCheckpointer (--safe, pinned too): finite weights before a snapshot, a failure handshake, --keep,
+# read retries, CRC-32 verdicts, corrupt checkpoints set aside, --allow-fresh-start, --fail-at. cli() picks them.
+import shutil  # noqa: E402  (the extensions' only import)
 # Elastic restarts: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --max-restarts 3 --nproc_per_node=8
 # checkpoint.py ... restarts the job from the last commit when a worker dies (a fresh TCPStore per attempt:
 # pytorch/pytorch#135712); --fail-at kills one worker on the first attempt to show it.
 
 
 class PinnedSnapshots(AsyncCheckpointer):
-    buffers = None
+    """The snapshot copies into host buffers allocated once and page-locked, queued on the GPU's stream: the
+    training thread does not wait for them; the writer thread waits (a CUDA event) before it writes."""
+    buffers = copied = None
 
-    def snapshot(self, opt):
-        z, n, cuda = self.zero, self.zero.hi - self.zero.lo, self.ctx.device.type == "cuda"
-        if self.buffers is None:
-            self.buffers = {k: torch.empty(n, dtype=torch.float32, pin_memory=cuda) for k in ("params", "exp_avg", "exp_avg_sq")}
-        b = self.buffers
-        b["params"].copy_(z.flat[z.lo: z.hi], non_blocking=cuda)
-        for p, (lo, hi, _) in zip(z.params, z.pieces):
-            for k in ("exp_avg", "exp_avg_sq"):
-                b[k][lo - z.lo: hi - z.lo].copy_(opt.state[p][k], non_blocking=cuda)
-        out, event = dict(b, rng_cpu=torch.get_rng_state()), None
-        if cuda:
-            out["rng_cuda"], event = torch.cuda.get_rng_state(self.ctx.device), torch.cuda.Event()
-            event.record()
-        return out, event
+    def snapshot(self, step, opt, loader):
+        z, cuda = self.zero, self.ctx.device.type == "cuda"
+        with self.timeline.compute(f"snapshot {step}", "io"):
+            if self.buffers is None:  # reused: the previous save is committed before the next snapshot
+                self.buffers = {k: torch.empty(z.hi - z.lo, dtype=torch.float32, pin_memory=cuda)
+                                for k in ("params", "exp_avg", "exp_avg_sq")}
+            b = self.buffers
+            b["params"].copy_(z.flat[z.lo: z.hi], non_blocking=cuda)
+            for p, (lo, hi, _) in zip(z.params, z.pieces):
+                for k in ("exp_avg", "exp_avg_sq"):
+                    b[k][lo - z.lo: hi - z.lo].copy_(opt.state[p][k], non_blocking=cuda)
+            out = dict(b, rng_cpu=torch.get_rng_state())
+            if cuda:
+                out["rng_cuda"], self.copied = torch.cuda.get_rng_state(self.ctx.device), torch.cuda.Event()
+                self.copied.record()
+        return out, {"step": step, "rank": z.ctx.rank, "world": z.world, "lo": z.lo, "hi": z.hi, "loader": loader.state_dict()}
 
-    def write(self, d, tensors, meta, event):
-        if event is not None:
-            event.synchronize()  # the snapshot's copies have landed in host memory
-        return super().write(d, tensors, meta, event)
+    def write(self, d, tensors, meta):
+        if self.copied is not None:
+            self.copied.synchronize()  # the snapshot's copies have landed in host memory
+        return super().write(d, tensors, meta)
 
 
 class CorruptCheckpoint(Exception):
@@ -347,6 +353,15 @@ READ_TRIES, READ_BACKOFF_S = 3, 0.5  # a shared filesystem's hiccups (failover, 
 OK, UNCOMMITTED, CORRUPT, MISMATCH, UNREADABLE = range(5)  # a rank's verdict on one candidate; worst wins
 MANIFEST = {"format": int, "step": int, "world": int, "numel": int, "config": dict, "layout": list, "schedule": dict,
             "global_batch": int, "seq_len": int, "loader": dict, "shards": list}
+
+
+def read_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def parse_shard(data):  # a shard's bytes -> its tensors and "meta"
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def read_with_retries(path):
@@ -436,10 +451,14 @@ def worst_verdict(verdict, ctx):
 
 
 class SafeCheckpointer(PinnedSnapshots):
-    def __init__(self, args, ctx, zero, comm):
-        super().__init__(args, ctx, zero, comm)
+    """What a production run adds: every failure is one line on every rank at the same step, nothing committed is
+    ever lost, and a load verifies what it reads (the manifest's sizes and CRC-32s) before it trusts it."""
+    manifest = None  # the one being verified: read_shard checks each shard against it
+
+    def __init__(self, args, ctx, zero, timeline):
+        super().__init__(args, ctx, zero, timeline)
+        self.comm = zero.comm
         self.committed, self.error = 0, None  # error: (step, message, local = this rank's own exception)
-        self.hint = f"rerun the same command; it resumes from the newest committed checkpoint in {args.ckpt_dir}"
 
     def after_step(self, step, opt, loader):
         failed = self.error is not None  # a background save that failed fails this step, on every rank at once
@@ -487,14 +506,22 @@ class SafeCheckpointer(PinnedSnapshots):
             self.comm.all_gather(16 * self.ctx.world, self.ctx.world)
             self.comm.broadcast(8, self.ctx.world)
 
-    def write_and_commit(self, step, tensors, meta, event):
+    def gather_reports(self, report):  # every rank's [bytes, crc32] to every rank, on the writer's group
+        reports = report.repeat(self.ctx.world, 1)
+        if self.group is not None:
+            with self.timeline.compute("gather", "all_gather"):
+                all_gather_single(reports.view(-1), report, group=self.group)
+        return reports
+
+    def write_and_commit(self, step, tensors, meta):
         """The core's writer with a handshake: a failed write reports 0 bytes, so every rank learns that the
         save failed in the same all-gather, and rank 0 broadcasts whether its commit succeeded."""
-        d, mine = step_dir(self.args.ckpt_dir, step), None
+        t0, d, mine = time.perf_counter(), step_dir(self.args.ckpt_dir, step), None
         try:
             if os.path.exists(os.path.join(d, "manifest.json")):  # never overwrite a committed checkpoint
                 raise FileExistsError(f"{d} already holds a committed checkpoint; not overwritten")
-            report = self.write(d, tensors, meta, event)
+            with self.timeline.compute(f"write {step}", "io"):
+                report = self.write(d, tensors, meta)
         except BaseException as e:  # still join the handshake below, so no peer waits for us forever
             report, mine = torch.zeros(2, dtype=torch.int64), f"{e.__class__.__name__}: {e}"
         try:
@@ -506,7 +533,8 @@ class SafeCheckpointer(PinnedSnapshots):
             verdict = torch.ones(1, dtype=torch.int64)
             if self.ctx.master:
                 try:
-                    self.commit(step, d, reports, meta["loader"])
+                    with self.timeline.compute(f"commit {step}", "io"):
+                        self.commit(step, d, reports, meta["loader"])
                 except BaseException as e:
                     verdict[0], mine = 0, f"{e.__class__.__name__}: {e}"
             if self.group is not None:
@@ -515,7 +543,8 @@ class SafeCheckpointer(PinnedSnapshots):
                 self.error = (step, mine, True) if self.ctx.master else (step, "rank 0 could not commit the manifest", False)
                 return
             self.committed = step
-            gpt2.RUN["resume"] = self.hint  # what a Ctrl-C prints
+            gpt2.RUN["resume"] = self.resume_hint(step)  # what a Ctrl-C prints, on every rank
+            self.ms["write"].append(1e3 * (time.perf_counter() - t0))
         except BaseException as e:  # the handshake itself failed (a peer died)
             self.error = (step, f"{e.__class__.__name__}: {e}", True)
 
@@ -535,20 +564,22 @@ class SafeCheckpointer(PinnedSnapshots):
             elif s < newest:
                 shutil.rmtree(step_dir(self.args.ckpt_dir, s), ignore_errors=True)
 
-    def read_shard(self, path, sh, step):
+    def read_shard(self, path):
         """Read a whole shard with retries, verify size, checksum and metadata against the manifest."""
-        data = read_with_retries(path)
+        man, data = self.manifest, read_with_retries(path)
+        sh = next(s for s in man["shards"] if s["file"] == os.path.basename(path))
         if len(data) != sh["bytes"] or zlib.crc32(data) != sh["crc32"]:
             raise CorruptCheckpoint(f"{path}: size {len(data)} / crc32 {zlib.crc32(data):08x} differ from the "
                                     f"manifest's {sh['bytes']} / {sh['crc32']:08x}")
-        tensors, meta = parse_shard(data)
-        if meta["lo"] != sh["lo"] or meta["step"] != step:
+        tensors = parse_shard(data)
+        if tensors["meta"]["lo"] != sh["lo"] or tensors["meta"]["step"] != man["step"]:
             raise CorruptCheckpoint(f"{path}: its metadata disagrees with the manifest")
-        return tensors, meta
+        return tensors
 
     def load_latest(self, opt, loader):
         self.committed = start = self.load_verified(opt, loader)
-        gpt2.RUN["resume"] = self.hint if start else f"no checkpoint was committed yet; delete {self.args.out} to start over"
+        gpt2.RUN["resume"] = self.resume_hint(start) if start else \
+            f"no checkpoint was committed yet; give a new --out (or delete {self.args.out}) to start over"
         self.fail_at(start)
         return start
 
@@ -577,6 +608,7 @@ class SafeCheckpointer(PinnedSnapshots):
                 if diff:
                     verdict = MISMATCH
                 else:
+                    self.manifest = man
                     slices, rng = self.read_slices(man, d)
             except Uncommitted as e:
                 verdict, why = UNCOMMITTED, str(e)
@@ -612,7 +644,7 @@ class SafeCheckpointer(PinnedSnapshots):
             self.comm.take_mb()  # the resume's all-gather is not a training step's traffic
             if man["world"] != ctx.world:
                 print0(f"resharding: written by {man['world']} ranks, loaded by {ctx.world}")
-            print0(f"resumed from step {step}")
+            print0(f"resumed from step {step}" + (f"; --steps {args.steps}: nothing left to train" if step >= args.steps else ""))
             return step
         if corrupt or n_aside:
             what = f"{len(corrupt) + n_aside} checkpoint(s) in {args.ckpt_dir} are corrupt (renamed aside as *.corrupt)"
@@ -624,27 +656,60 @@ class SafeCheckpointer(PinnedSnapshots):
 
 
 # ---- Appendix ----
-# The command line and its checks (all before the process group starts), the step directories' names, the
-# ZeRO-1 world-size check, train()'s timing of its saves, and the entry point.
+# The command line: the core's parser with the extensions' flags, every check before the process group starts, and
+# the classes picked with plain ifs. Step directories' names. References: ZeRO (Rajbhandari et al. 2020, section 5.1,
+# P_os); CheckFreq (Mohan et al., FAST'21, section 4: snapshot to memory, persist in the background); Check-N-Run
+# (Eisenman et al., NSDI'22); DCP and Megatron-LM's dist_checkpointing (resharding by global offsets).
+# Elastic restarts: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --max-restarts 3 --nproc_per_node=8
+# checkpoint.py --safe ... restarts the job from the last commit when a worker dies (a fresh TCPStore per attempt:
+# pytorch/pytorch#135712); --fail-at kills one worker on the first attempt to show it.
 
 
-def parse_args(argv):
-    p = gpt2.make_parser("GPT-2 on ZeRO-1 with sharded, asynchronous, crash-safe checkpoints and resharding resume.")
-    p.add_argument("--ckpt-dir", help="checkpoint directory; the newest valid checkpoint in it is resumed")
-    p.add_argument("--save-every", type=int, default=0, help="save every N steps, and after the last (0 = never)")
-    p.add_argument("--keep", type=int, default=2, help="committed checkpoints to keep (older ones are pruned)")
+def cli(argv=None):
+    args = parse_args(argv)
+    Checkpointer = AsyncCheckpointer
+    if args.naive:
+        Checkpointer = SyncCheckpointer
+    if args.pinned:
+        Checkpointer = PinnedSnapshots
+    if args.safe:
+        Checkpointer = SafeCheckpointer
+    train(args, Checkpointer)  # --ckpt-dir is locked by rank 0 in check_args
+
+
+def parse_args(argv=None):
+    p = make_parser()
+    p.add_argument("--pinned", action="store_true", help="snapshot into reused pinned host buffers, without waiting "
+                                                         "for the copies on the training thread")
+    p.add_argument("--safe", action="store_true", help="the production checkpointer (pinned too): a failed save stops "
+                   "every rank in one line, loads verify CRC-32s and fall back, --keep, --allow-fresh-start, --fail-at")
+    p.add_argument("--keep", type=int, help="--safe: committed checkpoints to keep, older ones pruned (default 2)")
     p.add_argument("--fail-at", type=int, default=-1,
-                   help="fault injection for tests: the last rank calls os._exit(1) before this step, on "
+                   help="--safe, fault injection for tests: the last rank calls os._exit(1) before this step, on "
                         "torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT=0); -1 = never")
     p.add_argument("--allow-fresh-start", action="store_true",
-                   help="when --ckpt-dir holds checkpoints and none verifies, train from step 0 instead of stopping")
+                   help="--safe: when --ckpt-dir holds checkpoints and none verifies, train from step 0 instead of stopping")
     args = p.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args):
     gpt2.check_args(args)
-    gpt2.check_range(args.keep, "--keep", 1, todo="keep at least the newest checkpoint")
     gpt2.check_range(args.save_every, "--save-every", 0, todo="give 0 (never) or a number of steps")
-    gpt2.check_range(args.fail_at, "--fail-at", -1, todo="give -1 (never) or a step")
     if args.save_every and not args.ckpt_dir:
         gpt2.fail("--save-every without a directory to save into", "--ckpt-dir", "add --ckpt-dir DIR")
+    for flag, given in (("--keep", args.keep is not None), ("--fail-at", args.fail_at != -1),
+                        ("--allow-fresh-start", args.allow_fresh_start)):
+        if given and not args.safe:
+            gpt2.fail(f"{flag} belongs to the --safe checkpointer", flag, f"add --safe, or drop {flag}")
+    if args.naive and (args.safe or args.pinned):
+        gpt2.fail(f"--naive saves on the training thread; {'--safe' if args.safe else '--pinned'} saves in the "
+                  "background", "--naive", "choose one")
+    args.keep = 2 if args.keep is None else args.keep
+    gpt2.check_range(args.keep, "--keep", 1, todo="keep at least the newest checkpoint")
+    gpt2.check_range(args.fail_at, "--fail-at", -1, todo="give -1 (never) or a step")
+    check_world_size(args)
     old = [n for n in ("metrics.jsonl", "model.pt") if os.path.exists(os.path.join(args.out, n))]
     if old and not committed_steps(args.ckpt_dir):  # gpt2.setup(resumes=True) leaves this check to us
         why = f"{args.ckpt_dir} holds no committed checkpoint" if args.ckpt_dir else "no --ckpt-dir was given"
@@ -655,7 +720,16 @@ def parse_args(argv):
             gpt2.lock_dir(args.ckpt_dir, "--ckpt-dir")  # and prune our in-flight saves
         else:
             gpt2.make_dir(args.ckpt_dir, "--ckpt-dir")
-    return args
+
+
+def check_world_size(args):  # Zero1's slices: the last rank must hold something (same verdict on every rank)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and not getattr(args, "init_from", None):
+        with torch.device("meta"):
+            numel = sum(p.numel() for p in gpt2.GPT(gpt2.model_config(args)).parameters())
+        if (world - 1) * -(-numel // world) >= numel:
+            gpt2.fail(f"{world} ranks for {numel} parameters: the last rank would hold nothing", "--nproc_per_node",
+                      "use fewer ranks or a larger model")
 
 
 def step_dir(ckpt_dir, step):
@@ -671,27 +745,5 @@ def committed_steps(ckpt_dir):
     return [s for s in list_checkpoints(ckpt_dir or "") if os.path.exists(os.path.join(step_dir(ckpt_dir, s), "manifest.json"))]
 
 
-def check_world_size(world, shard, numel):  # Zero1's: same verdict on every rank, before any collective
-    if (world - 1) * shard >= numel:
-        gpt2.fail(f"{world} ranks for {numel} parameters: the last rank would hold nothing",
-                  "--nproc_per_node", "use fewer ranks or a larger model")
-
-
-def wait_for_the_last_save(ckpt):  # train()'s end: how long the final background write still took
-    t0 = time.perf_counter()
-    ckpt.wait()
-    print0(f"last checkpoint committed ({1e3 * (time.perf_counter() - t0):.0f} ms waited at the end)")
-
-
-def timed_ms(fn, *a):  # train(): how long the loop was blocked by a save (the snapshot, or the previous write)
-    t0 = time.perf_counter()
-    fn(*a)
-    return 1e3 * (time.perf_counter() - t0)
-
-
-def main(argv=None):
-    train(parse_args(argv), SafeCheckpointer)  # --ckpt-dir is locked by rank 0 in parse_args
-
-
 if __name__ == "__main__":
-    gpt2.run_main(main)
+    gpt2.run_main(cli)

@@ -1,48 +1,34 @@
 """
-fp8.py - fp8 training of GPT-2 with one scale per tile (DeepSeek-V3 section 3.3), checked against a baseline.
+fp8.py - GPT-2's block Linears in fp8 with one scale per tile (DeepSeek-V3 section 3.3), data parallel.
 
-fp8 e4m3 keeps 3 mantissa bits and magnitudes 2^-9..448, so a tensor is scaled into that range before the
-cast. With one scale per tensor a single outlier pushes every other value into the few subnormals
-(`python fp8.py demo`). DeepSeek-V3 gives every 1x128 tile of an activation or gradient and every 128x128
-block of a weight its own scale, amax/448 from this step's values. A GEMM then cuts K into 128-wide chunks:
-the tensor core multiplies a chunk in fp8, the partial sum is promoted to fp32, multiplied by the chunk's two
-scales and accumulated in fp32 (which also bounds the tensor core's ~14-bit accumulation to 128 terms). The
-four Linears of every block run so in forward, dgrad and wgrad; the master weights, the optimizer,
-embeddings, LayerNorm, attention and the head stay in high precision. Only x's scales are powers of 2: wgrad
-re-cuts x's tiles along the tokens, and a power-of-2 scale makes that re-cut lossless (section 3.3.3).
-`--fp8 off` is the identical run without fp8: an fp8 loss curve means something only next to it.
+fp8 e4m3 keeps 3 mantissa bits and magnitudes 2^-9..448: a tensor is divided by a scale before the cast. With
+one scale per tensor (the naive version, --naive) one outlier pushes every other value into the subnormals.
+DeepSeek-V3 gives every 1x128 tile of an activation or gradient and every 128x128 block of a weight its own
+scale (amax/448); the GEMM promotes each 128-wide K chunk's fp8 partial sum to fp32 with its two scales. The
+master weights, AdamW, embeddings, LayerNorm, attention and the head stay in high precision.
 
     forward  y  = x @ W^T    x: 1x128 tiles along K         W: 128x128 blocks of the fp32 master
     dgrad    dx = dy @ W     dy: 1x128 tiles along N        W^T: the same blocks, transposed
     wgrad    dW = dy^T @ x   dy^T, x^T: 1x128 tiles along the tokens (x re-cut from its saved fp8 copy)
-      x (M,K) -amax per 1x128-> x_fp8, sx (M,K/128)    W (N,K) -amax per 128x128-> W_fp8, sW (N/128,K/128)
       for k in K/128 chunks:   acc(fp32) += (x_fp8[:,k] @ W_fp8[:,k]^T) * sx[:,k] * sW[:,k]
                                              \\_ tensor core, fp8 _/      \\_ promotion to fp32 _/
-      data parallel: every rank holds the whole model, all-reduces its fp32 grads in one flat bucket
 
-Closed forms (P parameters, n ranks, C the width; a block's four Linears take inputs of C, C, C, 4C):
-    all-reduce per step           2 (n-1)/n x (4 B x P + 4 B loss), the same with --fp8 off
-    params + grads + AdamW        16 B x P per rank (fp32 master weights, as --fp8 off)
-    saved Linear inputs per token 7C x (1 B + 4 B / 128) per block, against 7C x 2 B in bf16
+Who sums what (n data-parallel ranks, each holding the whole model):
+    p.grad, every parameter   all_reduce_grads: SUM over the n ranks (one flat fp32 bucket), then / n: the MEAN
+    --grad-accum k            each micro-batch's loss / k before backward: p.grad sums to their mean
+    dW of an fp8 Linear       summed over the step's tokens inside the GEMM, in fp32 (never rounded to bf16)
+    the logged loss           global_mean: SUM over the ranks / n
+    the clip norm             each rank's own, after the all-reduce (the gradients are equal on every rank)
 
-Launch (CPU emulation; on GPUs drop --device cpu):
-    python fp8.py demo
+The core's GEMM is an exact emulation (the same fp8 values and scales, fp32 sums, any device); Beyond the core:
+cuBLAS's block-scaled torch._scaled_mm on a GPU (cli picks it), MXFP8 and NVFP4 (--format).
+    python fp8.py demo     # one outlier channel: one scale per tensor vs 1x128 tiles
     torchrun --nproc_per_node=2 fp8.py --fp8 off --device cpu --steps 60 --seq-len 64 --out out/fp8_off
-    torchrun --nproc_per_node=2 fp8.py --fp8 on --device cpu --steps 60 --seq-len 64 --out out/fp8_on --compare-with out/fp8_off
-On CPU the GEMM is an emulation (the same fp8 values and scales, chunks summed in full fp32: an upper bound on
-the hardware's accuracy); on CUDA (sm_89+) it is torch._scaled_mm with block scales (see the Appendix).
-References: DeepSeek-V3 technical report (arXiv 2412.19437) sections 3.3 and 3.5.2; Micikevicius et al.
-2022, "FP8 formats for deep learning"; DeepSeek's DeepGEMM; PyTorch's torch._scaled_mm. Beyond the core:
-OCP Microscaling Formats v1.0 (MXFP8); NVIDIA, "Pretraining LLMs with NVFP4" (arXiv 2509.25149) section 4.
-gpt2.py pieces used: make_parser, check_args, check_range, fail, agree, run_main, setup, build_model,
-make_loaders, model_config, optimizer_groups, make_adamw, set_lr, accumulate_grads, evaluate,
-check_finite, print0, CommMeter, Metrics, Profiler.
+    torchrun --nproc_per_node=2 fp8.py --device cpu --steps 60 --seq-len 64 --out out/fp8_on --compare-with out/fp8_off
+Read first: quantize_1x128, fp8_matmul, Fp8LinearFn, all_reduce_grads, train. Closed forms: end of file.
 """
 import functools
-import json
-import math
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -55,25 +41,21 @@ from gpt2 import print0
 FP8 = torch.float8_e4m3fn  # 1 sign, 4 exponent, 3 mantissa bits; no inf; largest finite 448
 FP8_MAX = torch.finfo(FP8).max  # 448.0
 TILE = 128  # DeepSeek-V3's tile: 1x128 for activations/gradients, 128x128 for weights
-# The smallest amax a tile is scaled from (scale >= fp32's smallest normal). A tile under it (all zeros, or
-# values below 5.3e-36) takes this floor; its values survive as e4m3 subnormals down to 2^-135 (tested).
+# The smallest amax a tile is scaled from (scale = fp32's smallest normal): tiny tiles keep subnormals to 2^-135
 AMAX_FLOOR = torch.finfo(torch.float32).tiny * FP8_MAX
 
 
 def _pow2_up(scale):
-    """Round a positive fp32 scale up to a power of 2 (UE8M0: exponent only): add 'all mantissa bits set' to
-    the bit pattern and clear the mantissa. Dividing by a power of 2 only shifts exponents (section 3.3.3)."""
+    """Round up to a power of 2: add 'all mantissa bits set' to the bits, clear the mantissa (section 3.3.3)."""
     bits = scale.contiguous().view(torch.int32)
     return ((bits + 0x007FFFFF) & 0x7F800000).view(torch.float32)
 
 
 def _scale_from_amax(amax, pow2):
-    scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
-    return _pow2_up(scale) if pow2 else scale
+    return _pow2_up(amax.clamp(min=AMAX_FLOOR) / FP8_MAX) if pow2 else amax.clamp(min=AMAX_FLOOR) / FP8_MAX
 
 
-def _to_fp8(x, scale):
-    """x / scale may round to 448.0001, and out-of-range casts give NaN on some builds: clamp first."""
+def _to_fp8(x, scale):  # x / scale may round to 448.0001, and out-of-range casts give NaN on some builds
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
@@ -85,58 +67,67 @@ def _pad_to_tile(x, dims):
     return F.pad(x, pad) if any(pad) else x
 
 
-def quantize_1x128(x, pow2=False):
-    """x (M, K) -> x_fp8 (M, Kp) e4m3 and scales (M, Kp/128) fp32, Kp = K padded to 128. One scale per row
-    per 128 columns: an outlier spoils only its own tile. pow2: scales rounded up to powers of 2."""
-    M, _ = x.shape
-    tiles = _pad_to_tile(x.float(), dims=[1]).view(M, -1, TILE)
-    scales = _scale_from_amax(tiles.abs().amax(dim=-1, keepdim=True), pow2)
-    return _to_fp8(tiles, scales).view(M, -1), scales.squeeze(-1)
+def dequantize_1x128(x_fp8, scales, shape=None):
+    M, Kp = x_fp8.shape
+    x = (x_fp8.float().view(M, Kp // TILE, TILE) * scales[..., None]).view(M, Kp)  # (M, Kp/128, 128) -> (M, Kp)
+    return x if shape is None else x[: shape[0], : shape[1]]
 
 
-def quantize_128x128(w, pow2=False):
-    """w (N, K) -> w_fp8 (Np, Kp) e4m3 and scales (Np/128, Kp/128) fp32, both dims padded to 128. Square
-    blocks make W and W^T share one quantization: the backward pass reuses it transposed."""
-    blocks = _pad_to_tile(w.float(), dims=[0, 1])
-    Np, Kp = blocks.shape
-    blocks = blocks.view(Np // TILE, TILE, Kp // TILE, TILE)
-    scales = _scale_from_amax(blocks.abs().amax(dim=(1, 3), keepdim=True), pow2)
-    return _to_fp8(blocks, scales).view(Np, Kp), scales[:, 0, :, 0]
-
-
+# ---- The naive version (--naive): one scale per tensor, an fp32 GEMM on the dequantized values ----
 def quantize_tensorwise(x):
-    """The coarse baseline: one scale for the whole tensor (as 1x128 scales, all equal, for fp8_matmul)."""
+    """One scale for the whole tensor, amax/448 (returned as 1x128 scales, all equal, for fp8_matmul)."""
     xp = _pad_to_tile(x.float(), dims=[1])
     scale = _scale_from_amax(xp.abs().amax(), pow2=False)
     return _to_fp8(xp, scale), scale.expand(xp.size(0), xp.size(1) // TILE).contiguous()
 
 
-def dequantize_1x128(x_fp8, scales, shape=None):
-    M, Kp = x_fp8.shape
-    x = (x_fp8.float().view(M, Kp // TILE, TILE) * scales[..., None]).view(M, Kp)
-    return x if shape is None else x[: shape[0], : shape[1]]
+class NaiveFp8LinearFn(torch.autograd.Function):
+    """x, W and dy each in e4m3 with one scale per tensor (an outlier coarsens all of x), an fp32 GEMM."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        with torch.autocast(dev, enabled=False):
+            x2 = x.reshape(-1, weight.size(1))  # (B*T, K)
+            xq, wq = (dequantize_1x128(*quantize_tensorwise(t), t.shape) for t in (x2, weight))  # fp32 values
+            ctx.save_for_backward(xq, wq)  # fp32 copies: the naive version does not save memory either
+            ctx.meta = x.shape, x.dtype, weight.dtype
+            return (xq @ wq.t()).to(out_dtype).reshape(*x.shape[:-1], -1)  # (B, T, N)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (xq, wq), (x_shape, x_dtype, w_dtype) = ctx.saved_tensors, ctx.meta
+        with torch.autocast(dy.device.type, enabled=False):
+            dy2 = dy.reshape(-1, wq.size(0))  # (B*T, N)
+            dyq = dequantize_1x128(*quantize_tensorwise(dy2), dy2.shape)
+            return (dyq @ wq).reshape(x_shape).to(x_dtype), (dyq.t() @ xq).to(w_dtype)
 
 
-def dequantize_128x128(w_fp8, scales, shape=None):
-    Np, Kp = w_fp8.shape
-    w = (w_fp8.float().view(Np // TILE, TILE, Kp // TILE, TILE) * scales[:, None, :, None]).view(Np, Kp)
-    return w if shape is None else w[: shape[0], : shape[1]]
+# ---- The real version: a scale per 1x128 tile / 128x128 block, the GEMM promoted to fp32 per 128-wide chunk ----
+def quantize_1x128(x, pow2=False):
+    """x (M, K) -> x_fp8 (M, Kp) e4m3, row-major even for a transposed x (cuBLAS's first operand must be), and
+    scales (M, Kp/128) fp32; Kp = K padded to 128. An outlier spoils only its own tile. pow2: powers of 2."""
+    M, _ = x.shape
+    tiles = _pad_to_tile(x.float(), dims=[1]).contiguous().view(M, -1, TILE)  # (M, Kp/128, 128)
+    scales = _scale_from_amax(tiles.abs().amax(dim=-1, keepdim=True), pow2)
+    return _to_fp8(tiles, scales).view(M, -1), scales.squeeze(-1)
 
 
+def quantize_128x128(w, pow2=False):
+    """w (N, K) -> w_fp8 (Np, Kp), scales (Np/128, Kp/128); square blocks: backward reuses them transposed."""
+    blocks = _pad_to_tile(w.float(), dims=[0, 1])
+    Np, Kp = blocks.shape
+    blocks = blocks.view(Np // TILE, TILE, Kp // TILE, TILE)  # (N/128, 128, K/128, 128)
+    scales = _scale_from_amax(blocks.abs().amax(dim=(1, 3), keepdim=True), pow2)
+    return _to_fp8(blocks, scales).view(Np, Kp), scales[:, 0, :, 0]
+
+
+@torch.compiler.disable  # an opaque GEMM call, like cuBLAS's; inductor (torch 2.13, CPU) miscompiled it
 def fp8_matmul(a_fp8, a_scales, b_fp8, b_scales, out_dtype=torch.float32):
-    """a @ b^T for a (M, K) in 1x128 tiles and b (N, K) in 1x128 tiles (scales (N, K/128)) or 128x128 blocks
-    (scales (ceil(N/128), K/128)); K padded to 128. CUDA: cuBLAS's _scaled_mm (Appendix); else the emulation."""
-    check_fp8_operands(a_fp8, a_scales, b_fp8, b_scales)  # Appendix: shapes and dtypes, one clear error
-    if a_fp8.is_cuda:
-        return _fp8_matmul_scaled_mm(a_fp8, a_scales, b_fp8, b_scales, out_dtype)
-    return _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales).to(out_dtype)
-
-
-@torch.compiler.disable  # an opaque GEMM call, like the CUDA path; inductor (torch 2.13, CPU) miscompiles it
-def _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales):
-    """The hardware's algorithm in fp32: e4m3 values and their pairwise products are exact in fp32; each
-    chunk's 128 products are summed in fp32 (the tensor core keeps ~14 bits, so this is an upper bound on
-    its accuracy); then the chunk is scaled and accumulated in fp32: the promotion."""
+    """a @ b^T for a (M, K) in 1x128 tiles, b (N, K) in 1x128 tiles (scales (N, K/128)) or 128x128 blocks (scales
+    (ceil(N/128), K/128)), K padded to 128, emulated: e4m3 products are exact in fp32; each chunk's 128 are summed
+    in fp32 (the tensor core keeps ~14 bits: an upper bound on its accuracy), then scaled and accumulated in fp32."""
     (M, K), N = a_fp8.shape, b_fp8.size(0)
     b_rows = b_scales if b_scales.size(0) == N else b_scales.repeat_interleave(TILE, dim=0)[:N]  # (N, K/128)
     acc = torch.zeros(M, N, dtype=torch.float32, device=a_fp8.device)
@@ -144,54 +135,55 @@ def _fp8_matmul_emulated(a_fp8, a_scales, b_fp8, b_scales):
         cols = slice(k * TILE, (k + 1) * TILE)
         partial = a_fp8[:, cols].float() @ b_fp8[:, cols].float().t()  # the unscaled fp8 chunk product
         acc += partial * a_scales[:, k, None] * b_rows[None, :, k]
-    return acc
+    return acc.to(out_dtype)
 
 
 class Fp8LinearFn(torch.autograd.Function):
-    """y = x @ W^T with x in 1x128 tiles and W in 128x128 blocks; saves the fp8 x and W (1 byte per element).
-    pow2: x's scales are powers of 2, so wgrad's re-cut of the saved x loses (almost) nothing."""
+    """y = x @ W^T, x in 1x128 tiles (power-of-2 scales), W in 128x128 blocks; saves the fp8 x and W. forward
+    and backward are classmethods calling cls.gemm, so a subclass swaps the GEMM (Beyond the core: cuBLAS)."""
+    gemm = staticmethod(fp8_matmul)
 
-    @staticmethod
-    def forward(ctx, x, weight, pow2=True):
+    @classmethod
+    def forward(cls, ctx, x, weight):
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         N, K = weight.shape
         with torch.autocast(dev, enabled=False):  # the promotion must stay fp32, whatever autocast says
             x2 = x.reshape(-1, K)  # (B*T, K)
-            x_fp8, x_scales = quantize_1x128(x2, pow2)
+            x_fp8, x_scales = quantize_1x128(x2, pow2=True)
             w_fp8, w_scales = quantize_128x128(weight)
-            y = fp8_matmul(x_fp8, x_scales, w_fp8, w_scales, out_dtype)[:, :N]  # (B*T, N)
+            y = cls.gemm(x_fp8, x_scales, w_fp8, w_scales, out_dtype)[:, :N]  # (B*T, N)
         ctx.save_for_backward(x_fp8, x_scales, w_fp8, w_scales)
-        ctx.shapes, ctx.dtypes, ctx.pow2 = (x.shape, x2.shape, weight.shape), (x.dtype, weight.dtype), pow2
-        return y.reshape(*x.shape[:-1], N)
+        ctx.shapes, ctx.dtypes = (x.shape, x2.shape, weight.shape), (x.dtype, weight.dtype)
+        return y.reshape(*x.shape[:-1], N)  # (B, T, N)
 
-    @staticmethod
-    def backward(ctx, dy):
+    @classmethod
+    def backward(cls, ctx, dy):
         x_fp8, x_scales, w_fp8, w_scales = ctx.saved_tensors
         x_shape, x2_shape, (N, K) = ctx.shapes
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.reshape(-1, N)  # (B*T, N)
             # dgrad contracts over N: dy in 1x128 tiles along N, W^T = the forward's blocks transposed
             dy_fp8, dy_scales = quantize_1x128(dy2)
-            dx = fp8_matmul(dy_fp8, dy_scales, w_fp8.t(), w_scales.t(), dy.dtype)[:, :K]  # (B*T, K)
+            dx = cls.gemm(dy_fp8, dy_scales, w_fp8.t(), w_scales.t(), dy.dtype)[:, :K]  # (B*T, K)
             # wgrad contracts over the tokens: both operands re-cut into 1x128 tiles along the tokens; x from
             # its saved fp8 copy (section 3.5.2). Power-of-2 scales make both steps exponent shifts: 0.0002% of
             # values change (99.2% with amax/448; test_pow2_scales_make_the_wgrad_recut_lossless)
             x_hp = dequantize_1x128(x_fp8, x_scales, x2_shape)  # (B*T, K) fp32
-            xt_fp8, xt_scales = quantize_1x128(x_hp.t(), ctx.pow2)  # (K, B*T)
+            xt_fp8, xt_scales = quantize_1x128(x_hp.t(), pow2=True)  # (K, B*T)
             dyt_fp8, dyt_scales = quantize_1x128(dy2.t())  # (N, B*T)
             # dW leaves the fp32 accumulator unrounded: the master weights are fp32
-            dw = fp8_matmul(dyt_fp8, dyt_scales, xt_fp8, xt_scales, torch.float32)  # (N, K)
+            dw = cls.gemm(dyt_fp8, dyt_scales, xt_fp8, xt_scales, torch.float32)  # (N, K)
         x_dtype, w_dtype = ctx.dtypes
-        return dx.reshape(x_shape).to(x_dtype), dw.to(w_dtype), None
+        return dx.reshape(x_shape).to(x_dtype), dw.to(w_dtype)
 
 
 class Fp8Linear(nn.Linear):
     """A drop-in nn.Linear (same parameters, same state_dict) whose three matmuls run in fp8 tiles."""
-    pow2 = True  # power-of-2 scales for x; False: plain amax/448 (the tests measure what pow2 buys)
+    Function = Fp8LinearFn
 
     def forward(self, x):
-        y = (Fp8LinearFn.apply if x.is_cuda else _fp8_linear_eager)(x, self.weight, self.pow2)
+        y = self.Function.apply(x, self.weight)
         # the bias outside the Function, in the output's dtype: autograd sums its gradient in high precision
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
@@ -202,18 +194,21 @@ class Fp8Linear(nn.Linear):
         return new
 
 
-def convert_to_fp8(model: gpt2.GPT, blocks=None, to_fp8=Fp8Linear.from_linear):
-    """Swap the four Linears of every block (or of `blocks`) for to_fp8(linear); embeddings, LayerNorms,
+class NaiveFp8Linear(Fp8Linear):
+    Function = NaiveFp8LinearFn
+
+
+def convert_to_fp8(model: gpt2.GPT, Linear=Fp8Linear):
+    """Swap the four Linears of every block for Linear.from_linear(linear); embeddings, LayerNorms,
     attention's softmax and the tied head stay in high precision (DeepSeek-V3 section 3.3)."""
-    for block in model.h if blocks is None else blocks:
+    for block in model.h:
         for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
-            setattr(parent, name, to_fp8(getattr(parent, name)))
+            setattr(parent, name, Linear.from_linear(getattr(parent, name)))
     return model
 
 
 def all_reduce_grads(params, world, comm: gpt2.CommMeter):
-    """Sum every rank's gradients in one flat fp32 bucket, divide by the world size: each rank now holds the
-    gradient of the global batch mean."""
+    """Sum every rank's gradients in one flat fp32 bucket, / world: the gradient of the global batch mean."""
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
@@ -231,35 +226,32 @@ def global_mean(t, world, comm: gpt2.CommMeter):
     return t / world
 
 
-def demo():
-    """python fp8.py demo: one outlier channel in x (tokens, channels); error of the other channels after e4m3
-    and back, one scale per tensor vs per 1x128 tile (the outlier's own tiles lose: 127 of 1023 channels)."""
-    torch.manual_seed(0)
-    rows = {}
-    print("outlier channel x  | fp8, one scale per tensor | fp8, 1x128 tiles | bf16 (no scale)")
-    for outlier in (1.0, 1e2, 1e4, 1e5):
-        x = torch.randn(1024, 1024)
-        x[:, 7] *= outlier
-        rest = torch.arange(1024) != 7
-        errs = [((back[:, rest] - x[:, rest]).norm() / x[:, rest].norm()).item() for back in (
-            dequantize_1x128(*quantize_tensorwise(x)), dequantize_1x128(*quantize_1x128(x)), x.bfloat16().float())]
-        rows[outlier] = errs
-        print(f"{outlier:18.0e} | {100 * errs[0]:24.2f}% | {100 * errs[1]:15.2f}% | {100 * errs[2]:14.2f}%")
-    return rows
+@torch.no_grad()
+def tiles_vs_tensorwise(model, idx):
+    """What tiles buy, measured on this run: block 0's c_attn on a batch (token ids idx), GEMM error vs fp32."""
+    lin = model.h[0].attn.c_attn
+    x = model.h[0].ln_1(model.embed(idx)).reshape(-1, lin.in_features).float()  # (B*T, C)
+    ref = x @ lin.weight.float().t()  # (B*T, 3C)
+    errs = [((fp8_matmul(*qx(x), *qw(lin.weight))[:, : ref.size(1)] - ref).norm() / ref.norm()).item()
+            for qx, qw in ((quantize_tensorwise, quantize_tensorwise), (quantize_1x128, quantize_128x128))]
+    return f"fp8 GEMM error vs fp32, block 0's c_attn: one scale per tensor {100 * errs[0]:.2f}%, tiles {100 * errs[1]:.2f}%"
 
 
-def train(argv=None):
-    args = make_parser().parse_args(argv)  # Appendix: gpt2.py's flags, --fp8, --compare-with, the extensions'
+def make_parser():
+    p = gpt2.make_parser("GPT-2 with tile-scaled fp8 Linear layers (DeepSeek-V3 section 3.3), data parallel.")
+    p.add_argument("--fp8", default="on", choices=["on", "off"], help="off: the identical run without fp8")
+    p.add_argument("--naive", action="store_true", help="one scale per tensor instead of 1x128 / 128x128 tiles")
+    return p
+
+
+def train(args, to_fp8=convert_to_fp8):
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    # every check before the first collective: a bad flag fails every rank, none hangs
-    to_fp8, baseline = check_args(args)  # Appendix: to_fp8(model) swaps the Linears (None: --fp8 off)
     cfg = gpt2.model_config(args)
     train_loader, val_loader = gpt2.make_loaders(args, rank, world, cfg.vocab_size)
-
     ctx = gpt2.setup(args)
     model = gpt2.build_model(args)
-    if to_fp8 is not None:
-        to_fp8(model)
+    if args.fp8 == "on":
+        to_fp8(model)  # the core: convert_to_fp8, with Fp8Linear or NaiveFp8Linear
     model.to(ctx.device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
@@ -268,7 +260,7 @@ def train(argv=None):
     metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), tokens_per_step)
     profiler, comm = gpt2.Profiler(args, ctx), gpt2.CommMeter()
     print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {world} rank(s) | "
-           f"device {ctx.device} {ctx.dtype} | fp8 {describe(args, ctx)}")  # describe: Appendix
+           f"device {ctx.device} {ctx.dtype} | fp8 {args.fp8}{' (naive)' if args.naive else ''}")
 
     def loss_fn(x, y):
         with ctx.autocast():
@@ -293,12 +285,143 @@ def train(argv=None):
             model.eval()
             metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
-    metrics.plot()  # then the final-loss gap to the --compare-with run (the baseline) and its picture
-    return compare_with_baseline(args, metrics.records, baseline) if ctx.master else None
+    if args.fp8 == "on":
+        print0(tiles_vs_tensorwise(model, train_loader.next_batch()[0].to(ctx.device)))
+    metrics.plot()
+    return metrics.records
+
+
+def main(argv=None):
+    args = make_parser().parse_args(argv)
+    gpt2.check_args(args)  # before the first collective: a bad flag fails every rank, none hangs
+    return train(args, functools.partial(convert_to_fp8, Linear=NaiveFp8Linear) if args.naive else convert_to_fp8)
 
 
 # ---- Beyond the core ----
-# MXFP8 and NVFP4 (--format mxfp8|nvfp4): the block-scaled formats of Blackwell's tensor cores (OCP MX v1.0;
+# 1. The fp8 GEMM on a GPU (CublasFp8Linear, which cli picks on CUDA): torch._scaled_mm, three paths.
+#    blockwise  one cuBLAS GEMM with 1x128 block scales on both operands (sm_90 and a torch built for CUDA
+#               >= 12.9: torch's "DeepSeek" scaling, ScaledBlas.cpp); use_fast_accum=False keeps cuBLAS's fp32
+#               promotion (section 3.3). The first call of each kind is checked against the emulation.
+#    rowwise    one row-wise _scaled_mm per 128-wide K chunk (sm_89, sm_100+, older CUDA): within a chunk the
+#               tile scales are plain row scales; bf16 partials summed in fp32 by us (K/128 GEMMs, slower).
+#    emulated   the core's fp8_matmul (any device).
+#    gemm_path picks one from (capability, CUDA version, torch version) and says why in one line; a path that
+#    raises is left for the next one, with one line (never a silent whole-run fallback).
+
+GEMM_PATHS = ("blockwise", "rowwise", "emulated")
+
+
+def gemm_path(capability, cuda_version, torch_version):
+    """(path, why) for a GPU of this compute capability ((9, 0); None: no GPU) with a torch of this version
+    built for this CUDA (torch.version.cuda; None: a CPU build). A pure function: tested for every GPU."""
+    if capability is None or cuda_version is None:
+        return "emulated", "no CUDA GPU: the core's emulation"
+    sm = f"sm_{capability[0]}{capability[1]}"
+    if capability < (8, 9):
+        return "emulated", f"{sm} has no fp8 tensor cores: the core's emulation"
+    cuda = tuple(int(v) for v in cuda_version.split(".")[:2])
+    major_minor = tuple(int(v) for v in torch_version.split("+")[0].split(".")[:2])
+    if capability[0] != 9:
+        return "rowwise", f"{sm}: torch's 1x128 block-scaled _scaled_mm runs on sm_90 only (Blackwell scales " \
+                          f"blocks as MXFP8, see --format mxfp8): one row-wise _scaled_mm per 128-wide K chunk"
+    if cuda < (12, 9):
+        return "rowwise", f"torch built for CUDA {cuda_version}: block scales need cuBLAS >= 12.9; one row-wise " \
+                          f"_scaled_mm per 128-wide K chunk"
+    if major_minor < (2, 9):
+        return "rowwise", f"torch {torch_version} predates block-scaled _scaled_mm (2.9): one row-wise " \
+                          f"_scaled_mm per 128-wide K chunk"
+    return "blockwise", f"{sm}, CUDA {cuda_version}: one cuBLAS block-scaled _scaled_mm per GEMM"
+
+
+def block_scaled_mm(a_fp8, a_scales, b_fp8, b_scales, out_dtype):
+    """a @ b^T in one torch._scaled_mm with 1x128 scales on both operands, no fallback, every argument in the
+    layout torch checks (ScaledBlas.cpp, is_blockwise_1x128_scaling; cuBLASLt multiplies only a row-major mat1
+    by a column-major mat2):
+        mat1    a (M, K), row-major                 scale_a (M, K/128), outer-dim-major: strides (1, M)
+        mat2    b^T (K, N), column-major            scale_b (K/128, N), row-major (b's (N, K/128) transposed)
+    A weight's 128x128 scales go in as 1x128 rows (each row of a block repeats its scale: the same numbers),
+    the one block layout whose contract torch 2.9-2.13 agree on (the padding of 128x128 scale rows changed).
+    N is padded to 16 (cuBLASLt's dims): zero rows, cut from the result."""
+    N, K = b_fp8.shape
+    b_rows = b_scales if b_scales.size(0) == N else b_scales.repeat_interleave(TILE, dim=0)[:N]  # (N, K/128)
+    pad = -N % 16
+    if pad:
+        b_fp8 = torch.cat([b_fp8, b_fp8.new_zeros(pad, K)])  # (N + pad, K)
+        b_rows = torch.cat([b_rows, b_rows.new_ones(pad, b_rows.size(1))])
+    out = torch._scaled_mm(a_fp8.contiguous(), b_fp8.contiguous().t(), scale_a=a_scales.t().contiguous().t(),
+                           scale_b=b_rows.t().contiguous(), out_dtype=out_dtype, use_fast_accum=False)
+    return out[:, :N]
+
+
+def rowwise_chunks_mm(a_fp8, a_scales, b_fp8, b_scales, out_dtype):
+    """Within one 128-wide K chunk the tile scales are row-wise scales (scale_a (M,1), scale_b (1,N)), which
+    every fp8 _scaled_mm takes; the row-wise kernel returns bf16 partials, promoted and summed in fp32 here
+    (measured 1.66e-3 relative to the emulation: each partial rounded to bf16)."""
+    M, K = a_fp8.shape
+    N = b_fp8.size(0)
+    b_rows = b_scales if b_scales.size(0) == N else b_scales.repeat_interleave(TILE, dim=0)[:N]  # (N, K/128)
+    acc = torch.zeros(M, N, dtype=torch.float32, device=a_fp8.device)
+    for k in range(K // TILE):
+        cols = slice(k * TILE, (k + 1) * TILE)
+        # dense chunks: a row-major, b^T column-major (a copy of 1 byte per element, small next to the GEMM)
+        acc += torch._scaled_mm(a_fp8[:, cols].contiguous(), b_fp8[:, cols].contiguous().t(),
+                                scale_a=a_scales[:, k, None].contiguous(), scale_b=b_rows[None, :, k].contiguous(),
+                                out_dtype=torch.bfloat16).float()
+    return acc.to(out_dtype)
+
+
+_gemm = {"path": None, "checked": set()}  # the path this process runs; the kinds of blockwise call verified
+
+
+def check_fp8_operands(a_fp8, a_scales, b_fp8, b_scales):
+    (M, K), N, L = a_fp8.shape, b_fp8.size(0), a_fp8.size(1) // TILE
+    if a_fp8.dtype != FP8 or b_fp8.dtype != FP8 or b_fp8.size(1) != K or K % TILE:
+        raise ValueError(f"fp8 GEMM wants e4m3 a (M,K), b (N,K), K a multiple of {TILE}: got {a_fp8.dtype} "
+                         f"{tuple(a_fp8.shape)}, {b_fp8.dtype} {tuple(b_fp8.shape)}")
+    if a_scales.shape != (M, L) or b_scales.shape not in ((N, L), (-(-N // TILE), L)):
+        raise ValueError(f"scales {tuple(a_scales.shape)}, {tuple(b_scales.shape)} do not fit 1x128 / 128x128 tiles")
+
+
+@torch.compiler.disable  # a try/except around a kernel choice is eager-mode code
+def cuda_fp8_matmul(a_fp8, a_scales, b_fp8, b_scales, out_dtype=torch.float32):
+    """fp8_matmul on the path gemm_path chose (printed once); a path that raises, or whose first result of a
+    kind differs from the emulation by 1e-2 or more, is replaced by the next one, with one printed line."""
+    check_fp8_operands(a_fp8, a_scales, b_fp8, b_scales)
+    if _gemm["path"] is None:
+        cap = torch.cuda.get_device_capability(a_fp8.device) if a_fp8.is_cuda else None
+        _gemm["path"], why = gemm_path(cap, torch.version.cuda, torch.__version__)
+        print0(f"fp8 GEMM: {_gemm['path']} ({why})")
+    while True:
+        path = _gemm["path"]
+        gemm = {"blockwise": block_scaled_mm, "rowwise": rowwise_chunks_mm, "emulated": fp8_matmul}[path]
+        try:
+            out = gemm(a_fp8, a_scales, b_fp8, b_scales, out_dtype)
+            kind = (out_dtype, b_scales.size(0) == b_fp8.size(0))
+            if path == "emulated" or kind in _gemm["checked"]:
+                return out
+            ref = fp8_matmul(a_fp8, a_scales, b_fp8, b_scales)
+            err = ((out.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()  # once per kind: one sync
+            if err >= 1e-2:
+                raise RuntimeError(f"{err:.1e} from the emulation")
+            _gemm["checked"].add(kind)
+            return out
+        except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
+            if path == "emulated":
+                raise  # the reference itself: a bug, its traceback
+            _gemm["path"] = GEMM_PATHS[GEMM_PATHS.index(path) + 1]
+            print0(f"fp8 GEMM: {path} failed ({str(e).strip().splitlines()[0][:120]}); using {_gemm['path']}")
+
+
+class CublasFp8LinearFn(Fp8LinearFn):
+    gemm = staticmethod(cuda_fp8_matmul)
+
+
+class CublasFp8Linear(Fp8Linear):
+    """Fp8Linear whose three GEMMs run on the GPU's fp8 tensor cores (cuda_fp8_matmul)."""
+    Function = CublasFp8LinearFn
+
+
+# 2. MXFP8 and NVFP4 (--format mxfp8|nvfp4): the block-scaled formats of Blackwell's tensor cores (OCP MX v1.0;
 # NVIDIA, arXiv 2509.25149), emulated on every device, as a subclass of Fp8Linear (BlockScaledLinear).
 #
 #   format    element          block along K   block scale                      tensor scale
@@ -345,16 +468,21 @@ def round_e2m1(y, stochastic=False):
     return torch.copysign((units * step).clamp(max=E2M1_MAX), y)
 
 
+@functools.cache  # built once per device: a tensor made from a list is a host-to-device copy per call
+def e2m1_grid(device):
+    return torch.tensor(E2M1_VALUES, device=device)
+
+
 def pack_e2m1(values):
     """e2m1 values (R, C), C even -> (R, C/2) uint8, two 4-bit codes per byte, the first in the low nibble
     (torch.float4_e2m1fn_x2's layout)."""
-    grid = torch.tensor(E2M1_VALUES, device=values.device)
+    grid = e2m1_grid(values.device)
     codes = torch.searchsorted(grid, values.abs().contiguous()).to(torch.uint8) | (values < 0).to(torch.uint8) << 3
     return codes[:, 0::2] | codes[:, 1::2] << 4
 
 
 def unpack_e2m1(packed):
-    grid = torch.tensor(E2M1_VALUES, device=packed.device)
+    grid = e2m1_grid(packed.device)
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.size(0), -1).long()  # (R, C)
     return torch.where(codes >= 8, -grid[codes & 7], grid[codes & 7])
 
@@ -362,6 +490,7 @@ def unpack_e2m1(packed):
 # The Hadamard transform (--nvfp4-recipe hadamard): spreads an outlier over its 16-block (arXiv 2509.25149 section 4.2)
 
 
+@functools.cache  # built once per device (it was rebuilt and copied to the device on every call)
 def hadamard_16(device):
     """A 16x16 random Hadamard transform Q = H diag(signs) / 4, orthogonal (Q Q^T = I): applied to both
     operands along a GEMM's contraction dim it leaves the product unchanged, (a Q)(b Q)^T = a b^T, while
@@ -474,6 +603,7 @@ class BlockScaledLinearFn(torch.autograd.Function):
 
 class BlockScaledLinear(Fp8Linear):
     """Fp8Linear with its three GEMMs in MXFP8 or NVFP4 (fmt), with NVFP4's recipe items (recipe)."""
+    Function = BlockScaledLinearFn
     fmt, recipe = "mxfp8", ()
 
     def forward(self, x):
@@ -491,108 +621,47 @@ def convert_to_block_format(model: gpt2.GPT, fmt, recipe=()):
     """convert_to_fp8 with BlockScaledLinear; nvfp4 with 'last' keeps the last ~15% of the blocks (at least
     one) in high precision, as the NVFP4 recipe does."""
     keep = max(1, round(0.15 * len(model.h))) if fmt == "nvfp4" and "last" in recipe else 0
-    to_fp8 = functools.partial(BlockScaledLinear.from_linear, fmt=fmt, recipe=recipe)
-    return convert_to_fp8(model, list(model.h)[: len(model.h) - keep], to_fp8)
+    for block in list(model.h)[: len(model.h) - keep]:
+        for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
+            setattr(parent, name, BlockScaledLinear.from_linear(getattr(parent, name), fmt, recipe))
+    return model
 
 
 # ---- Appendix ----
-# The CUDA dispatch of the fp8 GEMM (cuBLAS block-scaled _scaled_mm, a row-wise fallback), argument checks and
-# the CLI, the comparison with the baseline and its picture.
+# Closed forms (P parameters, n ranks, C the width; a block's four Linears take inputs of C, C, C, 4C):
+#     all-reduce per step           2 (n-1)/n x (4 B x P + 4 B loss), the same with --fp8 off
+#     params + grads + AdamW        16 B x P per rank (fp32 master weights, as --fp8 off)
+#     saved Linear inputs per token 7C x (1 B + 4 B / 128) per block, against 7C x 2 B in bf16
+# References: DeepSeek-V3 technical report (arXiv 2412.19437) sections 3.3 and 3.5.2; Micikevicius et al. 2022,
+# "FP8 formats for deep learning"; DeepSeek's DeepGEMM; PyTorch's torch._scaled_mm (ScaledBlas.cpp); OCP
+# Microscaling Formats v1.0 (MXFP8); NVIDIA, "Pretraining LLMs with NVFP4" (arXiv 2509.25149) section 4.
+# Below: the demo, the extension flags and their checks, the comparison with a baseline run, and cli.
 
 
-@torch.compiler.disable  # CPU under --compile: one opaque call per layer instead of the quantizers as ~4 graphs
-def _fp8_linear_eager(x, weight, pow2):
-    return Fp8LinearFn.apply(x, weight, pow2)
+def demo():
+    """python fp8.py demo: one outlier channel in x (tokens, channels); error of the other channels after e4m3
+    and back, one scale per tensor vs per 1x128 tile (the outlier's own tiles lose: 127 of 1023 channels)."""
+    torch.manual_seed(0)
+    rows = {}
+    print("outlier channel x  | fp8, one scale per tensor | fp8, 1x128 tiles | bf16 (no scale)")
+    for outlier in (1.0, 1e2, 1e4, 1e5):
+        x = torch.randn(1024, 1024)
+        x[:, 7] *= outlier
+        rest = torch.arange(1024) != 7
+        errs = [((back[:, rest] - x[:, rest]).norm() / x[:, rest].norm()).item() for back in (
+            dequantize_1x128(*quantize_tensorwise(x)), dequantize_1x128(*quantize_1x128(x)), x.bfloat16().float())]
+        rows[outlier] = errs
+        print(f"{outlier:18.0e} | {100 * errs[0]:24.2f}% | {100 * errs[1]:15.2f}% | {100 * errs[2]:14.2f}%")
+    return rows
 
 
-_blockwise_ok = {}  # (device type, out dtype, b's tiling) -> block-scaled _scaled_mm ran here and was right
+def dequantize_128x128(w_fp8, scales, shape=None):
+    Np, Kp = w_fp8.shape
+    w = (w_fp8.float().view(Np // TILE, TILE, Kp // TILE, TILE) * scales[:, None, :, None]).view(Np, Kp)
+    return w if shape is None else w[: shape[0], : shape[1]]
 
 
-def _cublas_block_scales(scales):
-    """cuBLAS reads 128x128 scales as a K-block-major array whose rows are padded to a multiple of 4 blocks
-    (16 bytes); newer torch checks that stride, older torch wants it unpadded (then only K/128 % 4 == 0
-    passes, the layouts being equal). Returned as _scaled_mm's scale_b: the transpose of (N/128, K/128)."""
-    L = scales.size(1)
-    padded = scales.new_zeros(scales.size(0), -(-L // 4) * 4)
-    padded[:, :L] = scales
-    return padded[:, :L].t()
-
-
-def block_scaled_mm(a_fp8, a_scales, b_fp8, b_scales, out_dtype):
-    """One torch._scaled_mm call with 1x128 / 128x128 block scales, no fallback (tests/bench_fp8.py
-    --scaled-mm-check compares it with the emulation on a GPU): the arguments in the layouts torch checks."""
-    b_fp8 = b_fp8.contiguous()  # so that mat2 = b^T is column-major (dgrad hands in W^T, a view)
-    per_row = b_scales.size(0) == b_fp8.size(0)
-    scale_b = b_scales.t().contiguous() if per_row else _cublas_block_scales(b_scales)
-    return torch._scaled_mm(a_fp8, b_fp8.t(), scale_a=a_scales.t().contiguous().t(), scale_b=scale_b,
-                            out_dtype=out_dtype, use_fast_accum=False)
-
-
-@torch.compiler.disable  # a try/except around a kernel choice is eager-mode code
-def _fp8_matmul_scaled_mm(a_fp8, a_scales, b_fp8, b_scales, out_dtype):
-    """The CUDA path (it also runs on CPU, where torch rejects block scales: the tests use that to check the
-    fallback). torch._scaled_mm computes (a * scale_a) @ (mat2 * scale_b), a row-major, mat2 column-major.
-    Block scales (torch >= 2.9, cuBLAS >= 12.9, sm_90): scale_a (M, K/128) outer-dim-major (column-major),
-    1x128 scale_b a contiguous (K/128, N), 128x128 scale_b see _cublas_block_scales. use_fast_accum=False
-    keeps cuBLAS's fp32 promotion (section 3.3 'increasing accumulation precision'). The first call of each
-    kind is checked against the per-chunk path, so a layout this torch/cuBLAS reads differently cannot
-    silently corrupt training."""
-    key = (a_fp8.device.type, out_dtype, b_scales.size(0) == b_fp8.size(0))
-    if _blockwise_ok.get(key, True):
-        try:
-            out = block_scaled_mm(a_fp8, a_scales, b_fp8, b_scales, out_dtype)
-        except (RuntimeError, NotImplementedError, ValueError) as e:
-            if key not in _blockwise_ok:  # never worked for this kind of call: say so once, then fall back
-                print0(f"fp8: block-scaled _scaled_mm unavailable for {key} ({str(e).splitlines()[0][:100]}); "
-                       f"using one row-wise _scaled_mm per 128-wide K chunk")
-                _blockwise_ok[key] = False
-        else:
-            if key not in _blockwise_ok:
-                ref = _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales)
-                err = ((out.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
-                _blockwise_ok[key] = err < 1e-2
-                print0(f"fp8: block-scaled _scaled_mm for {key}: {err:.1e} from the per-chunk path -> "
-                       + ("using it" if err < 1e-2 else "NOT using it"))
-            if _blockwise_ok[key]:
-                return out
-    return _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales).to(out_dtype)
-
-
-def _fp8_matmul_rowwise_chunks(a_fp8, a_scales, b_fp8, b_scales):
-    """The fallback: within one 128-wide K chunk the tile scales are plain row-wise scales (scale_a (M,1),
-    scale_b (1,N)), which every fp8 _scaled_mm supports; the CUTLASS row-wise kernel returns bf16 partials,
-    which we promote and sum in fp32 ourselves. Slower (K/128 GEMMs), and not the emulation's numerics:
-    every chunk's partial sum is rounded to bf16 first (measured 1.66e-3 relative to the emulation,
-    test_scaled_mm_path_matches_emulation)."""
-    M, K = a_fp8.shape
-    N = b_fp8.size(0)
-    b_rows = b_scales if b_scales.size(0) == N else b_scales.repeat_interleave(TILE, dim=0)[:N]  # (N, K/128)
-    acc = torch.zeros(M, N, dtype=torch.float32, device=a_fp8.device)
-    for k in range(K // TILE):
-        cols = slice(k * TILE, (k + 1) * TILE)
-        # contiguous chunks: the row-wise kernels want dense row-major a and column-major b (a copy of 1 byte
-        # per element, small next to the GEMM)
-        acc += torch._scaled_mm(a_fp8[:, cols].contiguous(), b_fp8[:, cols].contiguous().t(),
-                                scale_a=a_scales[:, k, None].contiguous(), scale_b=b_rows[None, :, k].contiguous(),
-                                out_dtype=torch.bfloat16).float()
-    return acc
-
-
-def check_fp8_operands(a_fp8, a_scales, b_fp8, b_scales):
-    (M, K), N = a_fp8.shape, b_fp8.size(0)
-    if a_fp8.dtype != FP8 or b_fp8.dtype != FP8 or b_fp8.size(1) != K or K % TILE:
-        raise ValueError(f"fp8_matmul wants e4m3 a (M,K), b (N,K) with K a multiple of {TILE}; "
-                         f"got {a_fp8.dtype} {tuple(a_fp8.shape)} and {b_fp8.dtype} {tuple(b_fp8.shape)}")
-    if a_scales.shape != (M, K // TILE) or b_scales.shape not in ((N, K // TILE), (math.ceil(N / TILE), K // TILE)):
-        raise ValueError(f"scales {tuple(a_scales.shape)} / {tuple(b_scales.shape)} do not fit a {tuple(a_fp8.shape)} "
-                         f"and b {tuple(b_fp8.shape)} in 1x128 / 128x128 tiles")
-
-
-def make_parser():
-    p = gpt2.make_parser("GPT-2 with tile-scaled fp8 Linear layers (DeepSeek-V3 section 3.3), data parallel. "
-                         "`python fp8.py demo`: one scale per tensor vs per 1x128 tile.")
-    p.add_argument("--fp8", default="on", choices=["on", "off"],
-                   help="on: the blocks' Linear layers in fp8 tiles; off: the identical bf16 (CUDA) / fp32 (CPU) baseline")
+def add_extension_flags(p):
     p.add_argument("--compare-with", default=None, metavar="DIR",
                    help="the --out of a finished run of the same length (e.g. --fp8 off): print the final-loss "
                         "gap to it and draw OUT/<fp8|mxfp8|nvfp4|off>_vs_baseline.png")
@@ -606,30 +675,26 @@ def make_parser():
     return p
 
 
-def check_args(args):
-    """Every flag, before the first collective. Returns to_fp8 (the function that swaps a model's Linears;
-    None for --fp8 off) and the --compare-with run's records (None without it)."""
-    gpt2.check_args(args)
+def choose_to_fp8(args):
+    """Every extension flag, checked before the first collective; returns the function that swaps the
+    model's Linears (the core's convert_to_fp8 with the Linear class this run needs) and what it runs."""
     recipe = check_format(args)
-    baseline = read_baseline(args)
+    if args.naive and args.format != "deepseek":
+        gpt2.fail(f"--naive with --format {args.format}", "--naive", "--naive is the per-tensor version of the "
+                  "deepseek tiles: drop one of them")
+    if args.format != "deepseek":
+        what = f"{args.format} ({','.join(recipe) or 'no recipe'})" if args.format == "nvfp4" else args.format
+        return functools.partial(convert_to_block_format, fmt=args.format, recipe=recipe), f"{what}, emulated"
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if args.fp8 == "on" and args.format == "deepseek" and use_cuda:  # mxfp8/nvfp4 are emulated on any GPU
-        cap = torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", 0)))
-        if cap < (8, 9):
-            gpt2.fail(f"this GPU is sm_{cap[0]}{cap[1]}, fp8 tensor cores need sm_89 or newer", "--fp8",
-                      "use --fp8 off, or --device cpu to emulate")
-    if args.fp8 == "off":
-        return None, baseline
-    if args.format == "deepseek":
-        return convert_to_fp8, baseline
-    return functools.partial(convert_to_block_format, fmt=args.format, recipe=recipe), baseline
-
-
-def describe(args, ctx):
-    if args.fp8 == "off":
-        return "off"
-    recipe = f" ({','.join(check_format(args)) or 'no recipe'})" if args.format == "nvfp4" else ""
-    return f"on {args.format}{recipe}" + (" (CPU emulation)" if ctx.device.type == "cpu" else "")
+    if args.naive or not use_cuda:
+        return functools.partial(convert_to_fp8, Linear=NaiveFp8Linear if args.naive else Fp8Linear), \
+            ("one scale per tensor" if args.naive else "1x128 tiles") + ", emulated"
+    cap = torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", 0)))
+    if cap < (8, 9) and args.fp8 == "on":
+        gpt2.fail(f"this GPU is sm_{cap[0]}{cap[1]}, fp8 tensor cores need sm_89 or newer", "--fp8",
+                  "use --fp8 off, or --device cpu to emulate")
+    return functools.partial(convert_to_fp8, Linear=CublasFp8Linear), "1x128 tiles, CublasFp8Linear (its first " \
+        "GEMM prints the path: blockwise, rowwise or emulated, and why)"
 
 
 def check_format(args):
@@ -654,6 +719,7 @@ def read_baseline(args):
     run of its own: run it first, then this one with --compare-with)."""
     if args.compare_with is None:
         return None
+    import json
     path = os.path.join(args.compare_with, "metrics.jsonl")
     records, why = [], None
     try:
@@ -706,13 +772,23 @@ def compare_with_baseline(args, records, baseline):
     return gap
 
 
-def main(argv=None):
+def cli(argv=None):
+    """The whole file: `demo`, or the core's loop with the Linear class the flags pick (the core's own with no
+    extension flag, CublasFp8Linear on a GPU, BlockScaledLinear for --format), then --compare-with."""
+    import sys
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:
         demo()
         return None
-    return train(argv)
+    args = add_extension_flags(make_parser()).parse_args(argv)
+    gpt2.check_args(args)  # every check before the first collective: a bad flag fails every rank, none hangs
+    to_fp8, what = choose_to_fp8(args)
+    baseline = read_baseline(args)
+    if args.fp8 == "on":
+        print0(f"fp8: {what}")
+    records = train(args, to_fp8)
+    return compare_with_baseline(args, records, baseline) if int(os.environ.get("RANK", 0)) == 0 else None
 
 
 if __name__ == "__main__":
-    gpt2.run_main(main)
+    gpt2.run_main(cli)

@@ -180,57 +180,89 @@ class GPT(nn.Module):
         return logits
 
     def head_loss(self, x, targets):
-        """Mean next-token cross-entropy from the last block's hidden states."""
-        return cross_entropy(self.logits(x), targets)
+        """Mean next-token cross-entropy from the last block's hidden states (B, T, C). Beyond LOSS_CHUNK rows the
+        fp32 logits of the whole batch would not fit (B=64, T=1024: 13 GB, twice): chunked_cross_entropy."""
+        if x.shape[0] * x.shape[1] <= LOSS_CHUNK:
+            return cross_entropy(self.logits(x), targets)
+        return chunked_cross_entropy(self.ln_f(x).flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                     self.config.vocab_size)
 
     def forward(self, idx, targets=None):
+        """(logits, loss); the logits are None where the loss was computed in chunks (they never existed whole)."""
         x = self.forward_blocks(self.embed(idx))
         if targets is None:
             return self.logits(x[:, [-1], :]), None  # sampling needs the last position only
+        if x.shape[0] * x.shape[1] > LOSS_CHUNK:
+            return None, self.head_loss(x, targets)
         logits = self.logits(x)
         return logits, cross_entropy(logits, targets)
 
 
 def cross_entropy(logits, targets):
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))  # (B*T, V) vs (B*T,)
+
+
+LOSS_CHUNK = 8192  # rows of (rows, V) fp32 logits alive at once: 1.6 GB at V = 50,304
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The mean cross-entropy of x @ W.T over the real vocabulary, LOSS_CHUNK rows at a time, with the gradients
+    of x and W made in the same pass (softmax - onehot, per chunk): no (N, V) tensor outlives its chunk, and
+    nothing is recomputed. Backward only scales them. Matmuls follow autocast, as autograd's would."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, vocab_size, grads):
+        n = x.shape[0]  # x (N, C), weight (V_padded, C), targets (N,)
+        dev = x.device.type  # the gradient matmuls run in autocast's dtype, as autograd's would
+        ctx.matmul_dtype = torch.get_autocast_dtype(dev) if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev) \
+            else x.dtype
+        loss = torch.zeros((), device=x.device)
+        grad_x = torch.empty_like(x) if grads else None
+        grad_w = torch.zeros(weight.shape, device=weight.device) if grads else None  # fp32 accumulator
+        for lo in range(0, n, LOSS_CHUNK):
+            xc, tc = x[lo:lo + LOSS_CHUNK], targets[lo:lo + LOSS_CHUNK]  # (c, C), (c,)
+            logits = (xc @ weight.t()).float()  # (c, V_padded): the only fp32 (c, V) tensor, reused in place below
+            logits[:, vocab_size:] = float("-inf")  # the padding rows never enter the softmax
+            lse = torch.logsumexp(logits, dim=-1)  # (c,)
+            loss += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+            if grads:  # d loss / d logits = (softmax - onehot) / N
+                dlogits = logits.sub_(lse[:, None]).exp_()
+                dlogits[torch.arange(len(tc), device=x.device), tc] -= 1.0
+                dlogits = dlogits.div_(n).to(ctx.matmul_dtype)
+                grad_x[lo:lo + LOSS_CHUNK] = dlogits @ weight.to(dlogits.dtype)  # (c, C)
+                grad_w += (dlogits.t() @ xc.to(dlogits.dtype)).float()  # (V_padded, C)
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_loss, (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None
+
+
+@torch.compiler.disable  # eager: its work is large GEMMs; a compiled loop of in-place ops would save little
+def chunked_cross_entropy(x, weight, targets, vocab_size):
+    grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return ChunkedCrossEntropy.apply(x, weight, targets, vocab_size, grads)
 
 
 def model_config(args) -> GPTConfig:
-    if args.model not in MODELS:
-        fail(f"unknown model {args.model!r}", "--model", f"choose one of {', '.join(MODELS)}")
-    base = MODELS[args.model]
-    cfg = GPTConfig(**{**base.__dict__, **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")
-                                              if getattr(args, k, None) is not None}})
-    if cfg.n_embd % cfg.n_head:
-        fail(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}", "--n-head",
-             "pick a head count that divides the width")
-    if args.seq_len > cfg.block_size:
-        fail(f"--seq-len {args.seq_len} exceeds the model's context {cfg.block_size}", "--seq-len",
-             f"use at most {cfg.block_size}")
-    return cfg
+    """MODELS[--model] with the --n-layer/--n-head/--n-embd overrides (check_model_flags has checked them)."""
+    check_model_flags(args)
+    overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k, None) is not None}
+    return GPTConfig(**{**MODELS[args.model].__dict__, **overrides})
 
 
 def build_model(args) -> GPT:
-    """The model every file trains: MODELS[args.model] with the --n-layer/--n-head/--n-embd overrides,
-    initialised from --seed (so every rank and every technique starts from the same weights). With
-    --init-from the weights decide the shape, and flags that name another shape are refused."""
+    """The model every file trains, initialised from --seed: every rank and every technique starts from the same
+    weights. With --init-from the weights decide the shape (check_init_from refuses flags naming another)."""
     torch.manual_seed(args.seed)
-    if not getattr(args, "init_from", None):
-        model = GPT(model_config(args))
-    else:
+    if getattr(args, "init_from", None):
         model = load_weights(args.init_from)
-        cfg, wanted = model.config, {}
-        if args.model != "tiny":  # the default cannot be told from an explicit --model tiny
-            wanted = {k: getattr(MODELS.get(args.model, cfg), k) for k in ("n_layer", "n_head", "n_embd")}
-        wanted.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k, None)})
-        for k, v in wanted.items():
-            if getattr(cfg, k) != v:
-                flag = f"--{k.replace('_', '-')}" if getattr(args, k, None) else "--model"
-                fail(f"--init-from {args.init_from} has {k}={getattr(cfg, k)}, but {flag} asks for {v}", flag,
-                     "drop the flag: the weights decide the shape")
-        if args.seq_len > cfg.block_size:
-            fail(f"--seq-len {args.seq_len} exceeds the context {cfg.block_size} of {args.init_from}", "--seq-len",
-                 f"use at most {cfg.block_size}")
+        check_init_from(args, model.config)
+    else:
+        model = GPT(model_config(args))
     model.activation_checkpointing = args.activation_checkpointing
     return model
 
@@ -242,23 +274,10 @@ EOT = 50256  # <|endoftext|>, put before every document
 
 
 def read_shard(path, vocab_size=None):
-    """Memory-map a shard's tokens after checking the header, the file size and the token range."""
-    size = os.path.getsize(path)
-    if size < HEADER_INTS * 4:
-        fail(f"{size} bytes is shorter than the {HEADER_INTS * 4}-byte header", path,
-             "re-create it with gpt2.py prepare")
-    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
-    if header[0] != MAGIC:
-        fail(f"magic {header[0]} != {MAGIC}: not a GPT-2 token shard", path, "prepare it with gpt2.py prepare")
-    if header[1] != VERSION:
-        fail(f"version {header[1]} != {VERSION}", path, "re-create it with gpt2.py prepare")
-    n = int(header[2])
-    if size != HEADER_INTS * 4 + 2 * n:
-        fail(f"header says {n} tokens ({HEADER_INTS * 4 + 2 * n} bytes) but the file has {size} bytes", path,
-             "the shard is truncated or corrupt: re-create it with gpt2.py prepare")
+    """Memory-map a shard's tokens (check_shard: the header, the file size and the token range)."""
+    n = check_shard(path)
     tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_INTS * 4, shape=(n,))
-    if vocab_size is not None and n and int(tokens.max()) >= vocab_size:
-        fail(f"token id {int(tokens.max())} >= vocab size {vocab_size}", path, "re-create it with gpt2.py prepare")
+    check_token_range(tokens, vocab_size, path)
     return tokens
 
 
@@ -268,9 +287,7 @@ class DataLoader:
 
     def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world=1, vocab_size=50257):
         self.files = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.bin")))
-        if not self.files:
-            fail(f"no {split} shards (*{split}*.bin) in {data_dir!r}", "--data",
-                 f"run `python gpt2.py prepare shakespeare`, or offline `python gpt2.py prepare --text FILE --out {data_dir}`")
+        check_shards_found(self.files, data_dir, split)
         self.B, self.T, self.rank, self.world, self.vocab_size = batch_size, seq_len, rank, world, vocab_size
         self.eval_steps = None  # set by make_loaders for --val-tokens
         self.load_state_dict({"shard": 0, "pos": 0})
@@ -281,56 +298,42 @@ class DataLoader:
     def load_state_dict(self, state):
         self.shard, self.pos = state["shard"], state["pos"]
         self.tokens = read_shard(self.files[self.shard], self.vocab_size)
-        self._check_fits()
+        check_fits(self)
 
-    def _check_fits(self):
-        need = self.world * self.B * self.T + 1
-        if len(self.tokens) < need:
-            fail(f"{len(self.tokens)} tokens, fewer than one global batch ({self.world} ranks x {self.B} x {self.T} + 1 = "
-                 f"{need})", self.files[self.shard], "lower --batch-size/--seq-len")
-
-    def next_batch(self):
+    def next_batch(self, device=None):
+        """This rank's (B, T) inputs and (B, T) next-token targets, on `device` (None: host memory)."""
         span = self.world * self.B * self.T
         if self.pos + span + 1 > len(self.tokens):
             self.shard = (self.shard + 1) % len(self.files)
             self.pos = 0
             self.tokens = read_shard(self.files[self.shard], self.vocab_size)
-            self._check_fits()
+            check_fits(self)
         lo = self.pos + self.rank * self.B * self.T
-        buf = torch.from_numpy(self.tokens[lo: lo + self.B * self.T + 1].astype(np.int64))
+        buf = torch.from_numpy(self.tokens[lo: lo + self.B * self.T + 1].astype(np.int64))  # (B*T+1,)
         self.pos += span
-        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
+        if device is not None and device.type == "cuda":
+            # page-locked memory lets the copy run asynchronously: a pageable copy would make the host wait
+            buf = buf.pin_memory().to(device, non_blocking=True)
+        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)  # (B, T) x, (B, T) y shifted by one
 
 
 def make_loaders(args, rank=0, world=1, vocab_size=50257):
-    """Train and val loaders for data-parallel rank `rank` of `world`. The default data directory is
-    prepared on first use by a single process; with several ranks it must exist already."""
-    if args.data == "data/shakespeare" and not glob.glob(os.path.join(args.data, "*train*.bin")):
-        error = None  # rank 0 prepares it for all (two ranks must not write one file); the others wait
-        if int(os.environ.get("RANK", 0)) == 0:
-            try:
-                prepare(["shakespeare"])
-            except UsageError as e:
-                error = e
-        if not agree(error is None):
-            raise error or UsageError("rank 0 could not prepare data/shakespeare", "--data", "see rank 0's line")
+    """Train and val loaders for data-parallel rank `rank` of `world`. The default data directory is prepared on
+    first use. --val-tokens N: validation reads the first N val tokens, the same text for any world size."""
+    prepare_default_data(args)
     loaders = (DataLoader(args.data, "train", args.batch_size, args.seq_len, rank, world, vocab_size),
                DataLoader(args.data, "val", args.batch_size, args.seq_len, rank, world, vocab_size))
     if getattr(args, "val_tokens", 0):
-        # Validation reads contiguous global batches from the start of the val split, so any world*B*T
-        # that divides N reads the same first N tokens: every run reports the loss of the same text.
-        span, have = world * args.batch_size * args.seq_len, len(loaders[1].tokens) - 1
-        if args.val_tokens % span:
-            fail(f"--val-tokens {args.val_tokens} is not a multiple of the global batch {world} x {args.batch_size} "
-                 f"x {args.seq_len} = {span}", "--val-tokens", f"use {args.val_tokens // span * span or span}")
-        if args.val_tokens > have:
-            fail(f"--val-tokens {args.val_tokens} exceeds the {have} tokens of {loaders[1].files[0]}", "--val-tokens",
-                 f"use at most {have // span * span}")
+        span = world * args.batch_size * args.seq_len  # tokens of one global batch
+        check_val_tokens(args, span, len(loaders[1].tokens) - 1, loaders[1].files[0])
         loaders[1].eval_steps = args.val_tokens // span  # evaluate() reads this many batches, not --eval-steps
     return loaders
 
 
-# The recipe: AdamW groups, warmup + cosine LR, accumulation, evaluation, and the reference loop
+# The recipe: AdamW groups, warmup + cosine LR, accumulation, evaluation, and the reference loop.
+# Its defaults (every file's flags start from these; GPT-2 124M on FineWeb: lr 6e-4, B*T*accum = 0.5M tokens):
+RECIPE = dict(model="tiny", steps=200, batch_size=8, seq_len=256, grad_accum=1, lr=1e-3, warmup=20, weight_decay=0.1,
+              beta2=0.95, grad_clip=1.0, seed=1337, eval_every=50, eval_steps=10)
 
 
 def optimizer_groups(model, weight_decay):
@@ -369,8 +372,8 @@ def accumulate_grads(loss_fn, loader, args, device, after_backward=None):
     Returns this rank's mean loss of the step, detached."""
     loss_sum = torch.zeros((), device=device)
     for _ in range(args.grad_accum):
-        x, y = loader.next_batch()
-        loss = loss_fn(x.to(device), y.to(device)) / args.grad_accum
+        x, y = loader.next_batch(device)
+        loss = loss_fn(x, y) / args.grad_accum
         loss_sum += loss.detach()
         loss.backward()
         if after_backward is not None:
@@ -386,8 +389,8 @@ def evaluate(loss_fn, loader: DataLoader, steps, device):
     loader.load_state_dict({"shard": 0, "pos": 0})
     total = torch.zeros((), device=device)
     for _ in range(steps):
-        x, y = loader.next_batch()
-        total += loss_fn(x.to(device), y.to(device)).float()
+        x, y = loader.next_batch(device)
+        total += loss_fn(x, y).float()
     total /= steps
     if dist.is_initialized():
         dist.all_reduce(total)
@@ -402,9 +405,7 @@ def check_finite(loss, step, what="loss"):
 
 def train(argv=None):
     args = make_parser("Train GPT-2 in one process (see ddp.py for several).").parse_args(argv)
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        fail("gpt2.py trains in one process", "WORLD_SIZE",
-             "for several use `torchrun --nproc_per_node=N ddp.py` (same flags)")
+    check_one_process()
     ctx = setup(args)
     model = build_model(args).to(ctx.device)
     cfg = model.config
@@ -796,7 +797,8 @@ def peer_lost(e):
 
 
 # What a Ctrl-C or a lost peer reports: the last logged step (Metrics sets it) and how to go on (checkpoint.py says how to resume).
-RUN = {"step": None, "resume": "nothing was saved but metrics.jsonl (checkpoint.py --ckpt-dir DIR runs can resume)"}
+RUN = {"step": None, "resume": "nothing was saved but metrics.jsonl: to run again, give a new --out (or delete this "
+                              "one); checkpoint.py runs can resume"}
 _created_dirs = []
 
 
@@ -834,12 +836,14 @@ def check_range(value, flag, lo=-math.inf, hi=math.inf, todo=None):
 
 def agree(ok, device=None):
     """True on every rank iff `ok` is true on every rank (one all-reduce; no group: just ok). Used where one
-    rank does work for all (rank 0 prepares the data) and all must stop together if it failed."""
+    rank does work for all (rank 0 prepares the data) and all must stop together if it failed. `ok` may be a
+    0-d tensor on the device: then reading the answer is the one host sync."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return bool(ok)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([1 if ok else 0], device=device)
+    flag = ok.to(device, torch.int32).reshape(1) if isinstance(ok, torch.Tensor) else \
+        torch.full((1,), 1 if ok else 0, dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
@@ -847,10 +851,12 @@ def agree(ok, device=None):
 def check_finite_weights(tensors, step, device=None, flag="--lr",
                          todo="nothing was saved: lower --lr, keep --grad-clip on, or raise --warmup"):
     """Before anything is written: the weights after the last update are finite on every rank (the loss
-    check sees only the weights before it). A collective when there is a group: every rank calls it."""
-    tensors = [t for t in tensors if t.is_floating_point()]
-    bad = sum(int(not torch.isfinite(t.detach()).all()) for t in tensors)
-    if not agree(bad == 0, device):
+    check sees only the weights before it). A collective when there is a group: every rank calls it. One host
+    sync: the flags of all tensors are reduced on the device first."""
+    tensors = [t.detach() for t in tensors if t.is_floating_point()]
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all() if tensors else torch.tensor(True)
+    if not agree(finite, device):
+        bad = sum(int(not torch.isfinite(t).all()) for t in tensors)  # the failure path only: count them
         fail(f"the weights are not finite after step {step} ({bad} of {len(tensors)} tensors on rank "
              f"{int(os.environ.get('RANK', 0))} hold NaN or Inf)", flag, todo)
 
@@ -889,6 +895,103 @@ def check_args(args):
              "or run where CUDA is available")
     if hasattr(args, "model") and hasattr(args, "seq_len") and not getattr(args, "init_from", None):
         model_config(args)  # --model known, --n-embd divisible by --n-head, --seq-len within the context
+
+
+# Input checks of the core, one line each there: `error: <what> (<flag or file>): <what to do>`, before any collective
+
+
+def check_model_flags(args):
+    if args.model not in MODELS:
+        fail(f"unknown model {args.model!r}", "--model", f"choose one of {', '.join(MODELS)}")
+    n_embd = getattr(args, "n_embd", None) or MODELS[args.model].n_embd
+    n_head = getattr(args, "n_head", None) or MODELS[args.model].n_head
+    if n_embd % n_head:
+        fail(f"--n-embd {n_embd} is not divisible by --n-head {n_head}", "--n-head",
+             "pick a head count that divides the width")
+    if args.seq_len > MODELS[args.model].block_size:
+        fail(f"--seq-len {args.seq_len} exceeds the model's context {MODELS[args.model].block_size}", "--seq-len",
+             f"use at most {MODELS[args.model].block_size}")
+
+
+def check_init_from(args, cfg):
+    wanted = {}
+    if args.model != "tiny":  # the default cannot be told from an explicit --model tiny
+        wanted = {k: getattr(MODELS.get(args.model, cfg), k) for k in ("n_layer", "n_head", "n_embd")}
+    wanted.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k, None)})
+    for k, v in wanted.items():
+        if getattr(cfg, k) != v:
+            flag = f"--{k.replace('_', '-')}" if getattr(args, k, None) else "--model"
+            fail(f"--init-from {args.init_from} has {k}={getattr(cfg, k)}, but {flag} asks for {v}", flag,
+                 "drop the flag: the weights decide the shape")
+    if args.seq_len > cfg.block_size:
+        fail(f"--seq-len {args.seq_len} exceeds the context {cfg.block_size} of {args.init_from}", "--seq-len",
+             f"use at most {cfg.block_size}")
+
+
+def check_shard(path):
+    """The header and the file size of a shard; returns its token count."""
+    size = os.path.getsize(path)
+    if size < HEADER_INTS * 4:
+        fail(f"{size} bytes is shorter than the {HEADER_INTS * 4}-byte header", path,
+             "re-create it with gpt2.py prepare")
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    if header[0] != MAGIC:
+        fail(f"magic {header[0]} != {MAGIC}: not a GPT-2 token shard", path, "prepare it with gpt2.py prepare")
+    if header[1] != VERSION:
+        fail(f"version {header[1]} != {VERSION}", path, "re-create it with gpt2.py prepare")
+    n = int(header[2])
+    if size != HEADER_INTS * 4 + 2 * n:
+        fail(f"header says {n} tokens ({HEADER_INTS * 4 + 2 * n} bytes) but the file has {size} bytes", path,
+             "the shard is truncated or corrupt: re-create it with gpt2.py prepare")
+    return n
+
+
+def check_token_range(tokens, vocab_size, path):
+    if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
+        fail(f"token id {int(tokens.max())} >= vocab size {vocab_size}", path, "re-create it with gpt2.py prepare")
+
+
+def check_shards_found(files, data_dir, split):
+    if not files:
+        fail(f"no {split} shards (*{split}*.bin) in {data_dir!r}", "--data",
+             f"run `python gpt2.py prepare shakespeare`, or offline `python gpt2.py prepare --text FILE --out {data_dir}`")
+
+
+def check_fits(loader):
+    need = loader.world * loader.B * loader.T + 1
+    if len(loader.tokens) < need:
+        fail(f"{len(loader.tokens)} tokens, fewer than one global batch ({loader.world} ranks x {loader.B} x "
+             f"{loader.T} + 1 = {need})", loader.files[loader.shard], "lower --batch-size/--seq-len")
+
+
+def check_val_tokens(args, span, have, path):
+    if args.val_tokens % span:
+        fail(f"--val-tokens {args.val_tokens} is not a multiple of the global batch {span // args.batch_size // args.seq_len}"
+             f" x {args.batch_size} x {args.seq_len} = {span}", "--val-tokens", f"use {args.val_tokens // span * span or span}")
+    if args.val_tokens > have:
+        fail(f"--val-tokens {args.val_tokens} exceeds the {have} tokens of {path}", "--val-tokens",
+             f"use at most {have // span * span}")
+
+
+def check_one_process():
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        fail("gpt2.py trains in one process", "WORLD_SIZE",
+             "for several use `torchrun --nproc_per_node=N ddp.py` (same flags)")
+
+
+def prepare_default_data(args):
+    """data/shakespeare is prepared on first use: rank 0 prepares it for all (two ranks must not write one
+    file), the others wait; offline, every rank stops with rank 0's one line."""
+    if args.data != "data/shakespeare" or glob.glob(os.path.join(args.data, "*train*.bin")):
+        return
+    error = None
+    if int(os.environ.get("RANK", 0)) == 0:
+        try:
+            prepare(["shakespeare"])
+        except UsageError as e:
+            error = e
+    if not agree(error is None):
+        raise error or UsageError("rank 0 could not prepare data/shakespeare", "--data", "see rank 0's line")
 
 
 def lock_dir(path, flag):
@@ -964,24 +1067,24 @@ def make_parser(description):
     """The one parser every file starts from; files add their own flags to it."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
-    a("--model", default="tiny", help=f"model size: {', '.join(MODELS)}")
+    a("--model", default=RECIPE["model"], help=f"model size: {', '.join(MODELS)}")
     a("--n-layer", type=int, help="override the model's number of blocks")
     a("--n-head", type=int, help="override the model's number of attention heads")
     a("--n-embd", type=int, help="override the model's width")
     a("--init-from", help="start from pretrained weights: gpt2, gpt2-medium, ... or a HF-layout directory")
     a("--data", default="data/shakespeare", help="directory with *train*.bin and *val*.bin shards")
-    a("--steps", type=int, default=200, help="optimizer steps")
-    a("--batch-size", type=int, default=8, help="sequences per data-parallel rank per micro-step")
-    a("--seq-len", type=int, default=256, help="tokens per sequence")
-    a("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    a("--lr", type=float, default=1e-3, help="peak learning rate (GPT-2 124M: 6e-4)")
-    a("--warmup", type=int, default=20, help="linear warmup steps")
-    a("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay on 2-D weights")
-    a("--beta2", type=float, default=0.95, help="AdamW beta2")
-    a("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0 = off)")
-    a("--seed", type=int, default=1337, help="seed of the weights (identical on every rank)")
-    a("--eval-every", type=int, default=50, help="validation loss every N steps (0 = never)")
-    a("--eval-steps", type=int, default=10, help="batches per validation (of the global batch: depends on world size)")
+    a("--steps", type=int, default=RECIPE["steps"], help="optimizer steps")
+    a("--batch-size", type=int, default=RECIPE["batch_size"], help="sequences per data-parallel rank per micro-step")
+    a("--seq-len", type=int, default=RECIPE["seq_len"], help="tokens per sequence")
+    a("--grad-accum", type=int, default=RECIPE["grad_accum"], help="micro-steps per optimizer step")
+    a("--lr", type=float, default=RECIPE["lr"], help="peak learning rate (GPT-2 124M: 6e-4)")
+    a("--warmup", type=int, default=RECIPE["warmup"], help="linear warmup steps")
+    a("--weight-decay", type=float, default=RECIPE["weight_decay"], help="AdamW decoupled weight decay on 2-D weights")
+    a("--beta2", type=float, default=RECIPE["beta2"], help="AdamW beta2")
+    a("--grad-clip", type=float, default=RECIPE["grad_clip"], help="clip the global gradient norm to this (0 = off)")
+    a("--seed", type=int, default=RECIPE["seed"], help="seed of the weights (identical on every rank)")
+    a("--eval-every", type=int, default=RECIPE["eval_every"], help="validation loss every N steps (0 = never)")
+    a("--eval-steps", type=int, default=RECIPE["eval_steps"], help="batches per validation (of the global batch: depends on world size)")
     a("--val-tokens", type=int, default=0, help="validate on exactly the first N val tokens, the same tokens for any "
       "world size and batch (N a multiple of world*B*T; the speedrun's 3.28 uses 10485760); 0 = --eval-steps batches")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
@@ -1179,14 +1282,11 @@ class Metrics:
         self.t0 = None
 
     def start_step(self):
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize()
         self.t0 = time.perf_counter()
 
     def log_step(self, step, loss, lr, comm_mb=0.0, **extra):
-        """Call after the optimizer step with the global mean loss; prints a nanoGPT-style line."""
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize()
+        """Call after the optimizer step with the global mean loss as a float: reading it (loss.item()) is the
+        step's one host sync, so the host clock here measures the step without a torch.cuda.synchronize()."""
         dt = time.perf_counter() - self.t0
         tok_s = self.tokens_per_step / dt
         mfu = self.flops_per_step / dt / (self.ctx.world * self.peak) if self.peak else None
@@ -1194,6 +1294,8 @@ class Metrics:
         rec = {"step": step, "loss": loss, "lr": lr, "tokens": (step + 1) * self.tokens_per_step,
                "dt_ms": dt * 1e3, "tok_per_s": tok_s, "mfu": mfu,
                "peak_mem_mb": peak_memory_mb(self.ctx.device), "comm_mb": comm_mb, **extra}
+        if self.ctx.device.type == "cuda":  # what the caching allocator holds: what nvidia-smi and an OOM see
+            rec["peak_reserved_mb"] = torch.cuda.max_memory_reserved(self.ctx.device) / 1e6
         self._write(rec)
         mfu_s = f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""
         print0(f"step {step:5d} | loss {loss:.6f} | lr {lr:.2e} | {dt * 1e3:7.1f} ms | {tok_s:9.0f} tok/s{mfu_s} | comm {comm_mb:.2f} MB")

@@ -1,43 +1,36 @@
 """
-muon.py - Muon (MomentUm Orthogonalized by Newton-schulz) on the matrices inside the blocks, AdamW on the
-rest, trained data-parallel with each matrix's optimizer work done by one owner rank.
+muon.py - Muon on the matrices inside the blocks, AdamW on the rest (embeddings, head, biases, LayerNorm),
+data parallel, each matrix's Newton-Schulz done by ONE owner rank.
 
-The idea. Adam scales each coordinate of the gradient on its own; Muon treats a weight matrix as a linear
-map. It keeps a Nesterov momentum M of the gradient and steps along the nearest semi-orthogonal matrix,
-O = U V^T for M = U S V^T: every direction the matrix maps moves by the same amount, so rare directions
-(small singular values, which Adam barely moves) learn as fast as dominant ones. Five Newton-Schulz steps,
-a few matmuls, approximate O. Only hidden 2-D matrices use it: embeddings, head, biases and LayerNorm stay
-on AdamW. Newton-Schulz needs the WHOLE matrix, so instead of sharding each matrix (ZeRO) we split data
-parallelism's all-reduce in its two halves and let one rank own each whole matrix in between:
+The update of one block matrix W (rows x cols), per step (Jordan et al. 2024; torch.optim.Muon):
+    g = mean over ranks of dL/dW, times the global clip coefficient
+    M = beta M + (1 - beta) g                 momentum (EMA form), kept by W's owner only
+    u = (1 - beta) g + beta M                 Nesterov look-ahead (--no-nesterov: u = M)
+    O = NS5(u) ~ U V^T for u = U S V^T        5 Newton-Schulz steps: every singular value -> about 1,
+                                              so rare directions learn as fast as dominant ones
+    W = (1 - lr wd) W - lr s O                s = sqrt(max(1, rows/cols)), or --muon-scale match_rms_adamw
+NS needs the WHOLE matrix: we cut data parallelism's all-reduce in its halves, and in between one owner
+holds each whole matrix (owners balance the NS FLOPs, largest first):
 
-    rank 0          rank 1           each rank: gradients of ALL parameters on its rows of the batch
-    [c_attn.0 g]    [c_attn.0 g]     reduce-scatter one flat buffer of N slabs (slab r: rank r's matrices)
-    [c_fc.0   g]    [c_fc.0   g]       -> rank 0 holds the mean grads of c_attn.0, c_proj.1; rank 1 of c_fc.0
-    [c_proj.1 g]    [c_proj.1 g]     owner: momentum + Newton-Schulz + step (momentum lives with the owner)
-         |               |           all-gather the updated matrices -> every rank holds every matrix again
-    AdamW parameters: all-reduced gradients, AdamW replicated. Owners balance Newton-Schulz FLOPs.
+    rank 0 grads [c_attn.0 | c_proj.1 | c_fc.0]       rank 1 grads [c_attn.0 | c_proj.1 | c_fc.0]
+         '---------- reduce-scatter (SUM), then / N: slab r goes to owner r ----------'
+    rank 0 owns c_attn.0, c_proj.1: mean g,           rank 1 owns c_fc.0: mean g,
+           momentum, NS5, update                             momentum, NS5, update
+         '---------- all-gather of the slabs: every rank holds every matrix again -----'
 
-Bytes each rank sends per step for the Muon matrices, S their fp32 bytes, N ranks (ring; measured = closed
-form by tests/bench_muon.py and test_distributed_muon_equals_one_rank):
-    this file (reduce-scatter + all-gather)                     2(N-1)/N x S  (+ padding of unequal slabs)
-    KellerJordan/Muon behind DDP (all-reduce + all-gather)      3(N-1)/N x S
-    Moonlight 2.3 (ZeRO-1 rows; gather momentum, gather params) 3(N-1)/N x S, Newton-Schulz on all N ranks
-    torch.optim.Muon behind DDP (all-reduce)                    2(N-1)/N x S, Newton-Schulz on all N ranks
-Memory per rank: 4 B params + 4 B grads of every parameter + 8 B AdamW state of its parameters + 4 B
-momentum of the owned matrices + fp32 buffers of N slabs and one slab. GPT-2 124M: tests/README.md.
+Who sums what (N data-parallel ranks)
+    Muon gradients     reduce-scatter SUM over N, then / N on the owner: the MEAN     Muon.reduce_grads
+    AdamW gradients    one flat all-reduce SUM over N (+ the loss), then / N          all_reduce_grads
+    clip norm          owners' squared norms all-reduced (each matrix once) + the     Muon.grad_sq_norm
+                       replicated AdamW part: ||g|| of the whole model, as on one rank
+    --naive            every Muon gradient all-reduced, / N; every rank runs NS on every matrix
+Owners send an all-reduce's bytes (2(N-1)/N x S, + slab padding) and save compute: each rank runs NS on
+~1/N of the matrices; the run prints NS GFLOP per step on rank 0 and for every matrix (what --naive runs).
 
-    python muon.py --data D --lr 3e-3            # Muon at 0.02 on the blocks, AdamW at 3e-3 on the rest
-    torchrun --nproc_per_node=2 muon.py --data D --lr 3e-3 --batch-size 4   # the same curve, two ranks
-
-References: K. Jordan et al. 2024, kellerjordan.github.io/posts/muon, github.com/KellerJordan/Muon; J. Liu
-et al., "Muon is Scalable for LLM Training" (arXiv 2502.16982), 2.2 (update scale), 2.3 (ZeRO-1 Muon);
-modded-nanogpt and nanochat (whole-matrix owners, Polar Express coefficients, momentum warmup); Kimi Team,
-"Kimi K2" (arXiv 2507.20534), 2.1 (MuonClip, QK-clip); N. Amsel et al., "The Polar Express" (2505.16932).
-Uses from gpt2.py: make_parser, check_args, check_range, fail, model_config, build_model, make_loaders,
-setup, make_adamw, set_lr, accumulate_grads, evaluate, check_finite(_weights), save_model, CommMeter,
-Metrics, Profiler, run_main.
+Read first: Muon.reduce_grads, Muon.update, Muon.all_gather_params, train. References: the appendix.
 """
 import argparse
+import functools
 import math
 import os
 
@@ -47,10 +40,7 @@ import torch.distributed as dist
 import gpt2
 from gpt2 import all_gather_single, print0, reduce_scatter_single
 
-# One Newton-Schulz step maps each singular value s of X through p(s) = a s + b s^3 + c s^5, singular vectors
-# kept. Jordan's quintic maximises the slope at 0 (small singular values grow ~3.4x a step) and settles in a
-# band around 1 instead of at 1: 5 fp32 steps take every singular value of G/||G||_F in [2e-3, 1] into
-# [0.68, 1.21] (the scalar map; tested over 24 seeds), which trains as well as U V^T. Smaller ones end lower.
+# Jordan's quintic s -> a s + b s^3 + c s^5: 5 fp32 steps take singular values in [2e-3, 1] into [0.68, 1.21].
 QUINTIC = (3.4445, -4.7750, 2.0315)
 
 
@@ -59,9 +49,8 @@ def newton_schulz(G, steps=5, dtype=None, coefficients=None, eps=1e-7):
     iteration corrects its own rounding), fp32 elsewhere. coefficients: (a, b, c) per step, default QUINTIC."""
     dtype = dtype or (torch.bfloat16 if G.is_cuda else torch.float32)
     X = G.to(dtype).reshape(-1, *G.shape[-2:])  # (k, rows, cols)
-    tall = G.size(-2) > G.size(-1)
-    if tall:  # the wide orientation: the Gram matrix X X^T is the small (min x min) one
-        X = X.mT
+    tall = G.size(-2) > G.size(-1)  # work in the wide orientation: the Gram matrix X X^T is the small one
+    X = X.mT if tall else X  # (k, min, max)
     X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # ||X||_2 <= ||X||_F: singular values in [0, 1]
     for a, b, c in coefficients or [QUINTIC] * steps:
         A = X @ X.mT
@@ -71,35 +60,30 @@ def newton_schulz(G, steps=5, dtype=None, coefficients=None, eps=1e-7):
 
 
 def muon_update(grad, momentum, beta=0.95, nesterov=True, parts=1, orthogonalize=newton_schulz):
-    """Muon's direction for one matrix, before its scale: the momentum buffer is updated in place (the EMA
-    form of M = beta M + g: same direction, Newton-Schulz removes the scale), the Nesterov look-ahead, then
-    orthogonalised as `parts` stacked row blocks (GPT-2's packed q, k, v are three maps)."""
+    """Muon's direction for one matrix, before its scale: the momentum updated in place (EMA form: NS removes
+    the scale), the Nesterov look-ahead, orthogonalised as `parts` stacked row blocks (q, k, v: 3 maps)."""
     momentum.lerp_(grad, 1 - beta)
     u = grad.lerp(momentum, beta) if nesterov else momentum
-    return orthogonalize(u.view(parts, grad.size(0) // parts, grad.size(1))).view_as(grad)
+    return orthogonalize(u.view(parts, grad.size(0) // parts, grad.size(1))).view_as(grad)  # (parts, rows, cols)
 
 
 def update_scale(rows, cols, mode):
-    """Step multiplier for an orthogonalised (rows x cols) update, whose entries have RMS 1/sqrt(max(rows, cols)).
-    'original' (Jordan): sqrt(max(1, rows/cols)), so tall matrices are not under-stepped.
-    'match_rms_adamw' (Moonlight 2.2): 0.2 sqrt(max(rows, cols)), an update RMS of 0.2 like AdamW's."""
-    if mode == "original":
-        return math.sqrt(max(1.0, rows / cols))
-    if mode == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(rows, cols))
-    raise ValueError(f"unknown Muon scale {mode!r}: use original or match_rms_adamw")
+    """Step multiplier of an orthogonalised update (entries of RMS 1/sqrt(max(rows, cols))): 'original' (Jordan)
+    keeps tall matrices from being under-stepped; 'match_rms_adamw' (Moonlight 2.2) gives AdamW's RMS 0.2."""
+    if mode not in ("original", "match_rms_adamw"):
+        raise ValueError(f"unknown Muon scale {mode!r}: use original or match_rms_adamw")
+    return math.sqrt(max(1.0, rows / cols)) if mode == "original" else 0.2 * math.sqrt(max(rows, cols))
 
 
 def ns_flops(shape, parts=1):
-    """Matmul FLOPs of one Newton-Schulz step on a (rows x cols) matrix orthogonalised as `parts` row
-    blocks: with m = min, n = max side, X X^T costs 2 m^2 n, A A 2 m^3, B X 2 m^2 n."""
+    """Matmul FLOPs of one NS step on `parts` row blocks (m = min, n = max side): X X^T 2m^2n, A A 2m^3, B X 2m^2n."""
     m, n = sorted((shape[0] // parts, shape[1]))
     return parts * (4 * m * m * n + 2 * m ** 3)
 
 
 def assign_owners(costs, world):
-    """Give each matrix to one rank so the ranks' Newton-Schulz work is balanced: largest first to the
-    least-loaded rank (Graham's LPT rule, within 4/3 of the best split). Deterministic on every rank."""
+    """Each matrix to one rank, balancing Newton-Schulz work: largest first to the least-loaded rank (Graham's
+    LPT rule, within 4/3 of the best split). Deterministic: every rank computes the same owners."""
     load, owner = [0] * world, [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         r = min(range(world), key=lambda r: (load[r], r))
@@ -107,22 +91,39 @@ def assign_owners(costs, world):
     return owner
 
 
+def all_reduce(t, comm, op=dist.ReduceOp.SUM):  # each collective counts its bytes here (gpt2.CommMeter, ring)
+    dist.all_reduce(t, op=op)
+    comm.all_reduce(t.numel() * t.element_size(), dist.get_world_size())
+
+
+def reduce_scatter(out, inp, comm):
+    reduce_scatter_single(out, inp)
+    comm.reduce_scatter(inp.numel() * inp.element_size(), dist.get_world_size())
+
+
+def all_gather(out, inp, comm):
+    all_gather_single(out, inp)
+    comm.all_gather(out.numel() * out.element_size(), dist.get_world_size())
+
+
+# The naive version (--naive): every rank all-reduces every gradient, then runs one-rank Muon (world=1, below)
+# on EVERY matrix itself: the same bytes as the owners' reduce-scatter + all-gather, N x their Newton-Schulz.
+def naive_all_reduce(params, world, comm):
+    for p in params:  # one all-reduce per matrix: SUM over the ranks, then / N = the mean gradient
+        all_reduce(p.grad, comm)
+        p.grad /= world
+
+
 class Muon:
-    """Muon on a list of 2-D parameters, each matrix updated by one owner rank (world = 1: plain Muon).
-    parts[i] = 3 orthogonalises parameter i as three stacked row blocks. Per step: reduce_scatter_grads(),
-    (grad_sq_norm() for the clip), step(lr, clip_coef); finish() once before saving."""
+    """The real version: each matrix updated by one owner rank (world = 1: plain Muon); parts[i] = 3: three
+    stacked row blocks. Per step: reduce_grads(), grad_sq_norm() (clip), step(lr, clip), all_gather_params()."""
 
     def __init__(self, params, parts=None, lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5,
                  scale="original", ns_dtype=None, rank=0, world=1, comm=None):
         self.params = list(params)
         self.parts = list(parts or [1] * len(self.params))
-        for p, k in zip(self.params, self.parts):
-            if p.dim() != 2 or p.size(0) % k:
-                raise ValueError(f"Muon needs 2-D parameters whose rows split in {k}; got shape {tuple(p.shape)}")
-        self.lr, self.weight_decay, self.momentum, self.nesterov = lr, weight_decay, momentum, nesterov
-        self.ns_steps, self.scale, self.ns_dtype = ns_steps, scale, ns_dtype
-        self.rank, self.world, self.comm = rank, world, comm or gpt2.CommMeter()
-        update_scale(1, 1, scale)  # reject a bad mode now, not at the first step
+        self.lr, self.weight_decay, self.momentum, self.nesterov, self.ns_steps = lr, weight_decay, momentum, nesterov, ns_steps
+        self.scale, self.ns_dtype, self.rank, self.world, self.comm = scale, ns_dtype, rank, world, comm or gpt2.CommMeter()
         # One flat buffer of `world` equal slabs; slab r holds rank r's matrices back to back, padded to the
         # largest share, so one reduce-scatter brings the gradients in and one all-gather the matrices out.
         self.owner = assign_owners([ns_flops(p.shape, k) for p, k in zip(self.params, self.parts)], world)
@@ -131,22 +132,17 @@ class Muon:
             self.offset.append(used[r])
             used[r] += p.numel()
         self.slab = max(used) if self.params else 0
-        self.padding = sum(self.slab - u for u in used)  # elements sent that are not parameters
         self.mine = [i for i, r in enumerate(self.owner) if r == rank]
-        dev = self.params[0].device if self.params else torch.device("cpu")
-        self.flat = torch.zeros(world * self.slab, device=dev)  # (N x slab,) fp32: all grads in, all params out
-        self.own = self.flat[:self.slab] if world == 1 else torch.zeros(self.slab, device=dev)
-        self.send, self.recv = self.own, self.flat  # the slab that brought my grads in carries my params out
-        self.momentum_buf = {i: torch.zeros_like(self.params[i]) for i in self.mine}
-        self.stats = {}  # numbers the loop logs after each step
+        self.flat = torch.zeros(world * self.slab, device=self.params[0].device)  # (N x slab,) fp32: grads in, params out
+        self.own = self.flat[:self.slab] if world == 1 else torch.zeros_like(self.flat[:self.slab])  # (slab,): mine
+        self.momentum_buf = {i: torch.zeros_like(self.params[i]) for i in self.mine}  # owned matrices only
+        self.stats, self.flops = {}, 0  # numbers the loop logs; Newton-Schulz FLOPs this rank ran
 
-    def _view(self, buf, i, base=0):
-        p = self.params[i]
-        return buf[base + self.offset[i]: base + self.offset[i] + p.numel()].view_as(p)
+    def _view(self, buf, i, base=0):  # matrix i in a buffer of slabs (base: its owner's slab's start)
+        return buf[base + self.offset[i]: base + self.offset[i] + self.params[i].numel()].view_as(self.params[i])
 
-    @torch.no_grad()
-    def reduce_scatter_grads(self):
-        """Each rank ends up with the mean gradient of the matrices it owns."""
+    def reduce_grads(self):
+        """Reduce-scatter: each owner ends up with the MEAN gradient of its matrices (SUM over ranks, / N)."""
         for i, p in enumerate(self.params):
             self._view(self.flat, i, self.owner[i] * self.slab).copy_(p.grad)
         if self.world > 1 and self.slab:
@@ -154,109 +150,82 @@ class Muon:
             self.own /= self.world
 
     def grad_sq_norm(self):
-        """Sum of squares of the owned (reduced) gradients; summed over ranks, each matrix counted once."""
-        return sum((self._view(self.own, i).float().square().sum() for i in self.mine), torch.zeros((), device=self.own.device))
+        """||g||^2 over every Muon matrix: each owner's sum of squares, all-reduced (each matrix counted once)."""
+        sq = sum((self._view(self.own, i).float().square().sum() for i in self.mine), self.own.new_zeros(()))
+        if self.world > 1:
+            all_reduce(sq, self.comm)
+        return sq
 
     def orthogonalize(self, u):  # (parts, rows, cols) -> the same shape, about U V^T of each block
         return newton_schulz(u, self.ns_steps, self.ns_dtype)
 
     def update(self, i, lr, clip_coef):
         """One owned matrix: p <- (1 - lr wd) p - lr x scale x O (decoupled weight decay, as torch.optim.Muon)."""
-        p, g = self.params[i], self._view(self.own, i).mul_(clip_coef)
-        o = muon_update(g, self.momentum_buf[i], self.momentum, self.nesterov, self.parts[i], self.orthogonalize)
-        p.mul_(1 - lr * self.weight_decay)
-        p.add_(o, alpha=-lr * update_scale(p.size(0) // self.parts[i], p.size(1), self.scale))
+        p, g, k = self.params[i], self._view(self.own, i).mul_(clip_coef), self.parts[i]
+        o = muon_update(g, self.momentum_buf[i], self.momentum, self.nesterov, k, self.orthogonalize)
+        p.mul_(1 - lr * self.weight_decay).add_(o, alpha=-lr * update_scale(p.size(0) // k, p.size(1), self.scale))
+        self.flops += self.ns_steps * ns_flops(p.shape, k)
 
     @torch.no_grad()
-    def step(self, lr=None, clip_coef=1.0):
-        lr = self.lr if lr is None else lr
+    def step(self, lr, clip_coef=1.0):
+        """The owners' half: update each matrix this rank owns (the others wait for all_gather_params)."""
         for i in self.mine:
             self.update(i, lr, clip_coef)
-            if self.world > 1:
-                self._view(self.send, i).copy_(self.params[i])
-        self.all_gather_params()
         self.stats = {"muon_lr": lr, "momentum": self.momentum}
 
     @torch.no_grad()
     def all_gather_params(self):
-        """Every rank receives every updated matrix from its owner."""
+        """Every rank receives every updated matrix from its owner (its slab), and copies the others' in."""
         if self.world == 1 or not self.slab:
             return
-        all_gather(self.recv, self.send, self.comm)
+        for i in self.mine:
+            self._view(self.own, i).copy_(self.params[i])
+        all_gather(self.flat, self.own, self.comm)
         for i, p in enumerate(self.params):
             if self.owner[i] != self.rank:
-                p.copy_(self._view(self.recv, i, self.owner[i] * self.slab))
-
-    def finish(self):
-        """Before saving: every rank already holds the owner's matrices (an extension may override this)."""
+                p.copy_(self._view(self.flat, i, self.owner[i] * self.slab))
 
 
-# Data-parallel plumbing for the AdamW parameters (and the loss)
-
-
-@torch.no_grad()
 def all_reduce_grads(params, loss_sum, world, comm):
     """Average the AdamW parameters' gradients and the step's loss over ranks in one flat all-reduce."""
     if world == 1:
         return loss_sum
-    flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss_sum.reshape(1).float()])
+    flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss_sum.reshape(1).float()])  # (n_adamw + 1,)
     all_reduce(flat, comm)
     flat /= world
-    pos = 0
-    for p in params:
-        p.grad.copy_(flat[pos: pos + p.numel()].view_as(p))
-        pos += p.numel()
+    for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
+        p.grad.copy_(g.view_as(p))
     return flat[-1]
 
 
-@torch.no_grad()
-def clip_coefficient(muon, adamw_params, max_norm, world, comm):
-    """max_norm / ||g|| (at most 1) over ALL parameters, as clip_grad_norm_ computes it on one rank: the
-    Muon part lives sharded (one all-reduce of a scalar), the AdamW part is replicated."""
-    sq = muon.grad_sq_norm() if muon else torch.zeros((), device=adamw_params[0].device)
-    if muon and world > 1:
-        all_reduce(sq, comm)
-    sq = sq + sum(p.grad.float().square().sum() for p in adamw_params)
-    return (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)  # a tensor: no GPU->CPU sync inside the step
-
-
 def split_params(model, optimizer):
-    """Muon takes the 2-D matrices inside the blocks; embeddings/head (tied), biases and LayerNorm go to AdamW.
-    parts: 3 for c_attn (q, k, v are three maps, as in modded-nanogpt), 1 for the others."""
-    if optimizer == "adamw":
-        return [], [], [p for p in model.parameters() if p.requires_grad]
-    muon, parts = [], []
-    for block in model.h:
-        for name, p in block.named_parameters():
-            if p.dim() == 2:
-                muon.append(p)
-                parts.append(3 if name == "attn.c_attn.weight" else 1)
-    ids = {id(p) for p in muon}
-    return muon, parts, [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
+    """(Muon's block matrices, their parts: 3 for c_attn's q, k, v as modded-nanogpt, the AdamW parameters)."""
+    named = [(n, p) for b in model.h for n, p in b.named_parameters() if p.dim() == 2] if optimizer == "muon" else []
+    ids, parts = {id(p) for _, p in named}, [3 if n == "attn.c_attn.weight" else 1 for n, _ in named]
+    return [p for _, p in named], parts, [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
 
 
-# The training loop: gpt2.train step for step, with the Muon matrices' all-reduce split around their update
+def make_muon(args, model, params, parts, ctx, comm, cls=Muon):  # --naive: a one-rank Muon on every rank
+    lr = args.muon_lr if args.muon_lr is not None else 0.02 if args.muon_scale == "original" else args.lr
+    return cls(params, parts, lr=lr, weight_decay=args.muon_weight_decay, momentum=args.momentum,
+                nesterov=args.nesterov, ns_steps=args.ns_steps, scale=args.muon_scale, comm=comm,
+                rank=0 if args.naive else ctx.rank, world=1 if args.naive else ctx.world)
 
 
-def main(argv=None):
-    args = make_parser().parse_args(argv)
+def train(args, make_muon=make_muon):
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    cfg = validate(args, world)
-    train_loader, val_loader = gpt2.make_loaders(args, rank, world, cfg.vocab_size)  # checks the data fits
+    train_loader, val_loader = gpt2.make_loaders(args, rank, world, gpt2.model_config(args).vocab_size)  # data fits?
     ctx = gpt2.setup(args)
     model = gpt2.build_model(args).to(ctx.device)
-    comm = gpt2.CommMeter()
+    cfg = model.config
+    comm, timeline = gpt2.CommMeter(), gpt2.Timeline(ctx)
     muon_params, parts, adamw_params = split_params(model, args.optimizer)
-    # Muon(muon_params, parts, lr=--muon-lr, momentum=--momentum, ...), or it with the extensions' subclasses
     muon = make_muon(args, model, muon_params, parts, ctx, comm) if muon_params else None
     adamw = gpt2.make_adamw([{"params": [p for p in adamw_params if p.dim() >= 2], "weight_decay": args.weight_decay},
                              {"params": [p for p in adamw_params if p.dim() < 2], "weight_decay": 0.0}], args, ctx.device)
     fwd = torch.compile(model) if args.compile else model
     metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), args.batch_size * args.seq_len * args.grad_accum * ctx.world)
     profiler = gpt2.Profiler(args, ctx)
-    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {ctx.world} ranks | Muon "
-           f"{sum(p.numel() for p in muon_params) / 1e6:.2f}M params in {len(muon_params)} matrices, AdamW "
-           f"{sum(p.numel() for p in adamw_params) / 1e6:.2f}M")
 
     def loss_fn(x, y):
         with ctx.autocast():
@@ -265,18 +234,32 @@ def main(argv=None):
     for step in range(args.steps):
         profiler.step(step)
         metrics.start_step()
+        timeline.start_step(step)
         lr = gpt2.set_lr(adamw, step, args)
-        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
-        if muon:
-            muon.reduce_scatter_grads()
+        with timeline.compute("forward + backward"):
+            loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
+        t0 = timeline.now()
+        if muon and args.naive and ctx.world > 1:
+            naive_all_reduce(muon_params, ctx.world, comm)
+        if muon:  # the owners' half of the all-reduce: each gets its matrices' mean gradient
+            muon.reduce_grads()
+        timeline.comm_span("Muon grads", t0, "all_reduce" if args.naive else "reduce_scatter")
+        t0 = timeline.now()
         loss_sum = all_reduce_grads(adamw_params, loss_sum, ctx.world, comm)
+        timeline.comm_span("AdamW grads all-reduce", t0, "all_reduce")
         clip = 1.0
-        if args.grad_clip > 0:
-            clip = clip_coefficient(muon, adamw_params, args.grad_clip, ctx.world, comm)
-            torch._foreach_mul_([p.grad for p in adamw_params], clip)
-        adamw.step()
+        with timeline.compute("clip + AdamW step"):
+            if args.grad_clip > 0:  # ||g|| of ALL parameters, as on one rank: Muon's part global, AdamW's replicated
+                sq = sum((p.grad.float().square().sum() for p in adamw_params), muon.grad_sq_norm() if muon else 0.0)
+                clip = (args.grad_clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)  # a tensor: no host sync in the step
+                torch._foreach_mul_([p.grad for p in adamw_params], clip)
+            adamw.step()
         if muon:  # Muon rides AdamW's warmup + cosine schedule; owners update, then the all-gather
-            muon.step(muon.lr * lr / args.lr, clip)
+            with timeline.compute("Newton-Schulz, every matrix" if args.naive else f"owner {ctx.rank}: Newton-Schulz"):
+                muon.step(muon.lr * lr / args.lr, clip)
+            t0 = timeline.now()
+            muon.all_gather_params()  # --naive: world=1, nothing to gather
+            timeline.comm_span(f"owner {ctx.rank} gather", t0, "all_gather")
         model.zero_grad(set_to_none=True)
         loss_val = loss_sum.item()
         gpt2.check_finite(loss_val, step)
@@ -285,19 +268,38 @@ def main(argv=None):
             model.eval()
             metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
-    if muon:
-        muon.finish()
     gpt2.check_finite_weights(model.parameters(), args.steps - 1)  # every rank, before anything is written
     if ctx.master:
         gpt2.save_model(os.path.join(args.out, "model.pt"), cfg, model.state_dict())
     metrics.plot()
-    print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
+    timeline.save(os.path.join(args.out, "timeline.png"), "one Muon step: compute (upper bar), collectives (lower)")
+    every = sum(args.ns_steps * ns_flops(p.shape, k) for p, k in zip(muon_params, parts)) / 1e9  # --naive's, per rank
+    print0(f"saved {args.out} | Newton-Schulz per step: {muon.flops / args.steps / 1e9 if muon else 0:.4f} GFLOP on "
+           f"rank 0, {every:.4f} for every matrix (what --naive runs on every rank)")
     return metrics.records  # gpt2.run_main destroys the process group
 
 
+def make_parser():
+    p = gpt2.make_parser("Train GPT-2 with Muon on the block matrices (--muon-*) and AdamW (--lr) on the rest.")
+    a = p.add_argument
+    a("--optimizer", default="muon", choices=["muon", "adamw"], help="muon = Muon + AdamW; adamw = AdamW only")
+    a("--naive", action="store_true", help="the naive version: all-reduce every gradient, every rank runs every NS")
+    a("--muon-lr", type=float, help="Muon's peak lr, on --lr's schedule (default 0.02; --lr with match_rms_adamw)")
+    a("--muon-weight-decay", type=float, default=0.0, help="Muon's decoupled weight decay, p *= 1 - muon_lr * wd")
+    a("--momentum", type=float, default=0.95, help="Muon's momentum")
+    a("--nesterov", action=argparse.BooleanOptionalAction, default=True, help="Nesterov momentum for Muon")
+    a("--ns-steps", type=int, default=5, help="Newton-Schulz iterations")
+    a("--muon-scale", default="original", choices=["original", "match_rms_adamw"], help="Jordan's, or Moonlight 2.2's")
+    return p
+
+
+def main(argv=None):  # the core alone: its flags, Muon (or --naive); cli() (appendix) adds extensions and checks
+    return train(make_parser().parse_args(argv))
+
+
 # ---- Beyond the core ----
-# Each extension is a subclass of Muon, switched on by its flag in make_muon (appendix); several combine by
-# multiple inheritance. Measured side by side by `python tests/bench_muon.py experiment` (tests/README.md).
+# Each extension is a subclass of Muon that overrides one method, or a wrapper around the optimizer; the
+# appendix's cli() picks them with plain ifs. Measured side by side: `python tests/bench_muon.py experiment`.
 
 
 # Polar Express (Amsel et al. 2025): a different quintic at each step, each the minimax-optimal one for the
@@ -327,42 +329,54 @@ class PolarExpress(Muon):
         return polar_express(u, self.ns_steps, self.ns_dtype)
 
 
+class Bf16Gather(Muon):
+    """bf16 runs on several ranks: the updated matrices travel in bf16, (N-1)/N x S/2 instead of S (modded-nanogpt).
+    The owner keeps its fp32 master; the others hold bf16-rounded copies, all their bf16 autocast forward reads
+    (it rounds the owner's copy the same way). The last of `steps` gathers is fp32: every rank saves the masters."""
+
+    def __init__(self, *a, steps, **k):
+        super().__init__(*a, **k)
+        self.gathers_left = steps
+        self.own16 = torch.zeros(self.slab, device=self.flat.device, dtype=torch.bfloat16)  # (slab,)
+        self.flat16 = torch.zeros(self.world * self.slab, device=self.flat.device, dtype=torch.bfloat16)  # (N x slab,)
+
+    @torch.no_grad()
+    def all_gather_params(self):
+        self.gathers_left -= 1
+        if self.world == 1 or not self.slab or self.gathers_left == 0:
+            return super().all_gather_params()  # fp32
+        for i in self.mine:
+            self._view(self.own16, i).copy_(self.params[i])
+        all_gather(self.flat16, self.own16, self.comm)
+        for i, p in enumerate(self.params):
+            if self.owner[i] != self.rank:
+                p.copy_(self._view(self.flat16, i, self.owner[i] * self.slab))
+
+
+class PolarExpressBf16Gather(PolarExpress, Bf16Gather):
+    """Both: Polar Express's orthogonalize, Bf16Gather's all_gather_params (each overrides its own method)."""
+
+
 def momentum_at(step, warmup, final):
     """The speedrun's momentum warmup: 0.85 -> final linearly over `warmup` steps, then constant."""
     frac = min(step / warmup, 1.0) if warmup else 1.0
     return (1 - frac) * 0.85 + frac * final
 
 
-class MomentumWarmup(Muon):
-    """--momentum-warmup N: Muon's momentum from 0.85 up to --momentum over N steps (modded-nanogpt)."""
+class MomentumWarmup:
+    """--momentum-warmup N: a schedule for Muon's momentum, 0.85 up to --momentum over N steps (modded-nanogpt),
+    set before each step as torch's LR schedulers set a param group's lr. Everything else is the optimizer's."""
 
-    def __init__(self, *a, momentum_warmup=0, **k):
-        super().__init__(*a, **k)
-        self.warmup, self.final, self.t = momentum_warmup, self.momentum, 0
+    def __init__(self, muon, warmup):
+        self.muon, self.warmup, self.final, self.t = muon, warmup, muon.momentum, 0
 
-    def step(self, lr=None, clip_coef=1.0):
-        self.momentum = momentum_at(self.t, self.warmup, self.final)
+    def __getattr__(self, name):  # reduce_grads, grad_sq_norm, all_gather_params, lr, stats, flops
+        return getattr(self.muon, name)
+
+    def step(self, lr, clip_coef=1.0):
+        self.muon.momentum = momentum_at(self.t, self.warmup, self.final)
         self.t += 1
-        super().step(lr, clip_coef)
-
-
-class Bf16Gather(Muon):
-    """bf16 runs: the updated matrices travel in bf16, (N-1)/N x S/2 instead of S (modded-nanogpt). The owner
-    keeps its fp32 master; the others hold bf16-rounded copies, all their bf16 autocast forward reads (it
-    rounds the owner's copy the same way). finish() sends fp32 once, so every rank saves the master."""
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        if self.world > 1:
-            self.send = torch.zeros(self.slab, device=self.flat.device, dtype=torch.bfloat16)
-            self.recv = torch.zeros(self.world * self.slab, device=self.flat.device, dtype=torch.bfloat16)
-
-    @torch.no_grad()
-    def finish(self):
-        self.send, self.recv = self.own, self.flat
-        for i in self.mine:
-            self._view(self.own, i).copy_(self.params[i])
-        self.all_gather_params()
+        self.muon.step(lr, clip_coef)
 
 
 # QK-clip, the logit cap of MuonClip (Kimi K2 report, section 2.1; MuonClip also carries Moonlight's update
@@ -370,7 +384,7 @@ class Bf16Gather(Muon):
 # grow until a head's softmax saturates. After each step, every head whose largest logit of the step exceeded
 # tau has its query and key rows scaled by sqrt(tau / max), so that logit comes out at tau next time. Kimi
 # K2's attention has no q, k biases; GPT-2's has, scaled with their rows: every logit of the head scales by
-# exactly tau / max (tested). The owner scales its fp32 matrix before the all-gather.
+# exactly tau / max (tested). Each rank scales its copy before the owners' all-gather: the owner's is sent.
 
 
 class MaxLogitProbe:
@@ -416,116 +430,96 @@ def qk_clip_factors(s_max, tau, head_dim):
     return torch.cat([qk, qk, torch.ones_like(qk)], dim=1)
 
 
-class QKClip(Muon):
-    """--qk-clip TAU: QK-clip after each step; --log-max-logit (TAU = 0): only log the step's max logit."""
+class QKClip:
+    """--qk-clip TAU: QK-clip after each Muon step; --log-max-logit (TAU = 0): only log the step's max logit.
+    Wraps the optimizer: its step, then the scaling; everything else is the optimizer's."""
 
-    def __init__(self, *a, model=None, tau=0.0, **k):
-        super().__init__(*a, **k)
-        self.model, self.tau, self.probe, self.factors = model, tau, MaxLogitProbe(model), None
-        index = {id(p): i for i, p in enumerate(self.params)}
-        self.c_attn = {index[id(b.attn.c_attn.weight)]: layer for layer, b in enumerate(model.h)}  # Muon index -> layer
+    def __init__(self, muon, model, tau):
+        self.muon, self.model, self.tau, self.probe = muon, model, tau, MaxLogitProbe(model)
 
-    @torch.no_grad()
-    def update(self, i, lr, clip_coef):
-        super().update(i, lr, clip_coef)
-        if self.factors is not None and i in self.c_attn:
-            self.params[i].mul_(self.factors[self.c_attn[i]][:, None])
+    def __getattr__(self, name):  # reduce_grads, grad_sq_norm, all_gather_params, lr, world, comm, flops
+        return getattr(self.muon, name)
 
     @torch.no_grad()
-    def step(self, lr=None, clip_coef=1.0):
+    def step(self, lr, clip_coef=1.0):
         s_max = self.probe.take(self.world, self.comm)  # (n_layer, n_head), the same on every rank
-        self.factors = qk_clip_factors(s_max, self.tau, self.probe.head_dim) if self.tau else None
-        super().step(lr, clip_coef)
-        self.stats["max_logit"] = s_max.max().item()
-        if self.factors is not None:  # the q, k biases (AdamW's, replicated) scale with their rows
-            for block, f in zip(self.model.h, self.factors):
+        self.muon.step(lr, clip_coef)
+        self.stats = {**self.muon.stats, "max_logit": s_max.max().item()}
+        if self.tau:  # c_attn's q, k rows: the weights (Muon's; the owner's copy is gathered) and biases (AdamW's)
+            factors = qk_clip_factors(s_max, self.tau, self.probe.head_dim)  # (n_layer, 3C)
+            for block, f in zip(self.model.h, factors):
+                block.attn.c_attn.weight.mul_(f[:, None])
                 block.attn.c_attn.bias.mul_(f)
             self.stats["clipped_heads"] = int((s_max > self.tau).sum())
 
 
 # ---- Appendix ----
-# The collectives, metered where they are called (gpt2.CommMeter, ring model); Muon with its extensions;
-# the command line and its checks.
+# Bytes each rank sends per step for the Muon matrices, S their fp32 bytes, N ranks (ring; measured = closed
+# form by tests/bench_muon.py and test_distributed_muon_equals_one_rank):
+#     this file (reduce-scatter + all-gather)                     2(N-1)/N x S  (+ padding of unequal slabs)
+#     --naive (all-reduce of each matrix)                         2(N-1)/N x S, Newton-Schulz on all N ranks
+#     KellerJordan/Muon behind DDP (all-reduce + all-gather)      3(N-1)/N x S
+#     Moonlight 2.3 (ZeRO-1 rows; gather momentum, gather params) 3(N-1)/N x S, Newton-Schulz on all N ranks
+#     torch.optim.Muon behind DDP (all-reduce)                    2(N-1)/N x S, Newton-Schulz on all N ranks
+# Memory per rank: 4 B params + 4 B grads of every parameter + 8 B AdamW state of its parameters + 4 B
+# momentum of the owned matrices + fp32 buffers of N slabs and one slab. GPT-2 124M: tests/README.md.
+# References: K. Jordan et al. 2024, kellerjordan.github.io/posts/muon, github.com/KellerJordan/Muon; J. Liu
+# et al., "Muon is Scalable for LLM Training" (arXiv 2502.16982), 2.2 (update scale), 2.3 (ZeRO-1 Muon);
+# modded-nanogpt and nanochat (whole-matrix owners, Polar Express coefficients, momentum warmup); Kimi Team,
+# "Kimi K2" (arXiv 2507.20534), 2.1 (MuonClip, QK-clip); N. Amsel et al., "The Polar Express" (2505.16932).
 
 
-def all_reduce(t, comm, op=dist.ReduceOp.SUM):
-    dist.all_reduce(t, op=op)
-    comm.all_reduce(t.numel() * t.element_size(), dist.get_world_size())
-
-
-def reduce_scatter(out, inp, comm):
-    reduce_scatter_single(out, inp)
-    comm.reduce_scatter(inp.numel() * inp.element_size(), dist.get_world_size())
-
-
-def all_gather(out, inp, comm):
-    all_gather_single(out, inp)
-    comm.all_gather(out.numel() * out.element_size(), dist.get_world_size())
-
-
-def make_muon(args, model, params, parts, ctx, comm):
-    """Muon with the flags' options, as the subclass that combines the extensions switched on."""
-    extensions = [cls for cls, on in ((QKClip, args.qk_clip or args.log_max_logit),
-                                      (MomentumWarmup, args.momentum_warmup),
-                                      (PolarExpress, args.ns_coefficients == "polar_express"),
-                                      (Bf16Gather, ctx.dtype == torch.bfloat16 and ctx.world > 1)) if on]
-    kw = {}
-    if QKClip in extensions:
-        kw.update(model=model, tau=args.qk_clip)
-    if MomentumWarmup in extensions:
-        kw["momentum_warmup"] = args.momentum_warmup
-    cls = type("Muon", (*extensions, Muon), {}) if extensions else Muon
-    if args.qkv == "packed":
+def make_extended_muon(args, model, params, parts, ctx, comm):
+    """The core's make_muon with the class the flags pick, then the wrappers they switch on. No extension flag
+    and an fp32 run (or one rank): the core's Muon."""
+    polar = args.ns_coefficients == "polar_express"
+    bf16 = ctx.dtype == torch.bfloat16 and ctx.world > 1  # bf16 runs on several ranks gather in bf16
+    if args.qkv == "packed":  # c_attn orthogonalised as one 3E x E matrix
         parts = [1] * len(params)
-    muon = cls(params, parts, lr=args.muon_lr, weight_decay=args.muon_weight_decay, momentum=args.momentum,
-               nesterov=args.nesterov, ns_steps=args.ns_steps, scale=args.muon_scale, rank=ctx.rank,
-               world=ctx.world, comm=comm, **kw)
+    if polar and bf16:
+        cls = functools.partial(PolarExpressBf16Gather, steps=args.steps)
+    elif bf16:
+        cls = functools.partial(Bf16Gather, steps=args.steps)
+    elif polar:
+        cls = PolarExpress
+    else:
+        cls = Muon
+    muon = make_muon(args, model, params, parts, ctx, comm, cls)
     if ctx.world > 1:
-        print0(f"Muon shares: rank 0 owns {len(muon.mine)} matrices, slab {muon.slab} floats, padding {muon.padding} "
-               f"({100 * muon.padding / max(1, ctx.world * muon.slab):.1f}% of the reduce-scatter), gathered in "
-               f"{muon.recv.dtype}{' | ' + ', '.join(c.__name__ for c in extensions) if extensions else ''}")
+        padding = ctx.world * muon.slab - sum(p.numel() for p in params)
+        print0(f"Muon shares: rank 0 owns {len(muon.mine)} matrices, slab {muon.slab} floats, padding {padding} "
+               f"({100 * padding / max(1, ctx.world * muon.slab):.1f}% of the reduce-scatter), {type(muon).__name__}")
+    if args.momentum_warmup:
+        muon = MomentumWarmup(muon, args.momentum_warmup)
+    if args.qk_clip or args.log_max_logit:
+        muon = QKClip(muon, model, args.qk_clip)
     return muon
 
 
-def make_parser():
-    p = gpt2.make_parser("Train GPT-2 with Muon on the block matrices and AdamW on the rest, data parallel. "
-                         "--lr and --weight-decay are AdamW's; Muon has --muon-lr and --muon-weight-decay.")
+def add_extension_flags(p):
     a = p.add_argument
-    a("--optimizer", default="muon", choices=["muon", "adamw"], help="muon = Muon + AdamW; adamw = AdamW only (the baseline)")
-    a("--muon-lr", type=float, help="Muon's peak lr, on the same warmup/cosine schedule as --lr "
-      "(default: 0.02 with --muon-scale original, --lr with match_rms_adamw)")
-    a("--muon-weight-decay", type=float, default=0.0, help="Muon's decoupled weight decay, p *= 1 - muon_lr * wd "
-      "(0 as in reference Muon; Moonlight uses 0.1 with --muon-scale match_rms_adamw)")
-    a("--momentum", type=float, default=0.95, help="Muon's momentum")
     a("--momentum-warmup", type=int, default=0, help="raise Muon's momentum linearly from 0.85 to --momentum over "
       "this many steps (the speedrun: 300); 0 = constant")
-    a("--nesterov", action=argparse.BooleanOptionalAction, default=True, help="Nesterov momentum for Muon")
-    a("--ns-steps", type=int, default=5, help="Newton-Schulz iterations")
     a("--ns-coefficients", default="quintic", choices=["quintic", "polar_express"],
       help="one quintic (3.4445, -4.7750, 2.0315) every step (Jordan), or modded-nanogpt's Polar Express "
       "per-step quintics (at most 5 steps)")
-    a("--muon-scale", default="original", choices=["original", "match_rms_adamw"],
-      help="update scale: sqrt(max(1,rows/cols)) (Jordan) or 0.2*sqrt(max(rows,cols)) (Moonlight)")
     a("--qkv", default="split", choices=["split", "packed"],
       help="orthogonalise c_attn's q, k, v blocks separately (split: they are three maps, as in modded-nanogpt; "
       "measured 5.69 vs 5.74 val loss after 300 tiny steps, for 7%% more Newton-Schulz FLOPs) or as one 3E x E matrix")
     a("--qk-clip", type=float, default=0.0, metavar="TAU", help="QK-clip (Kimi K2, the logit cap of MuonClip): after "
       "each step scale the q and k rows of every head whose max attention logit exceeded TAU (Kimi K2: 100); 0 = off")
     a("--log-max-logit", action="store_true", help="log the step's largest attention logit (max_logit in metrics.jsonl)")
-    return p
 
 
-def validate(args, world):
+def check_args(args, world):
     """Every check that can fail runs here, on every rank, before the process group exists."""
     cfg = gpt2.model_config(args)
-    if args.muon_lr is None:
-        args.muon_lr = 0.02 if args.muon_scale == "original" else args.lr
     gpt2.check_args(args)
-    if not args.muon_lr > 0:
-        gpt2.fail(f"--muon-lr is {args.muon_lr}", "--muon-lr", "give a positive learning rate (0.02 is Muon's)")
-    gpt2.check_range(args.muon_lr, "--muon-lr", 0, 10, "give a positive learning rate (0.02 is Muon's)")
-    gpt2.check_range(args.muon_weight_decay, "--muon-weight-decay", 0, 1 / args.muon_lr,
-                     f"give 0 (off) up to 1/--muon-lr = {1 / args.muon_lr:g} (p *= 1 - lr x wd stays >= 0)")
+    lr = args.muon_lr if args.muon_lr is not None else 0.02 if args.muon_scale == "original" else args.lr
+    if not 0 < lr <= 10:
+        gpt2.fail(f"--muon-lr is {lr}", "--muon-lr", "give a learning rate in (0, 10] (Muon's usual: 0.02)")
+    gpt2.check_range(args.muon_weight_decay, "--muon-weight-decay", 0, 1 / lr,
+                     f"give 0 (off) up to 1/--muon-lr = {1 / lr:g} (p *= 1 - lr x wd stays >= 0)")
     gpt2.check_range(args.momentum, "--momentum", 0, 1 - 1e-9, "give a value in [0, 1), e.g. 0.95")
     gpt2.check_range(args.momentum_warmup, "--momentum-warmup", 0, math.inf, "give 0 (off) or a number of steps")
     gpt2.check_range(args.ns_steps, "--ns-steps", 1, 100, "give 1 to 100 Newton-Schulz steps (5 is usual)")
@@ -539,11 +533,25 @@ def validate(args, world):
     if (args.qk_clip or args.log_max_logit) and args.compile:
         gpt2.fail("--qk-clip/--log-max-logit with --compile", "--qk-clip/--log-max-logit",
                   "the max-logit probe is an eager forward hook on c_attn: drop --compile for these runs")
+    extensions = [f for f, on in (("--momentum-warmup", args.momentum_warmup), ("--qk-clip", args.qk_clip),
+                                  ("--log-max-logit", args.log_max_logit), ("--qkv packed", args.qkv == "packed"),
+                                  ("--ns-coefficients", args.ns_coefficients != "quintic")) if on]
+    if args.naive and extensions:
+        gpt2.fail(f"--naive with {', '.join(extensions)}", "--naive", "the naive version is the core alone: drop one")
     n_matrices = 4 * cfg.n_layer if args.optimizer == "muon" else 0
     if world > n_matrices and n_matrices:
         print0(f"note: {world} ranks but {n_matrices} Muon matrices: {world - n_matrices} ranks own none")
-    return cfg
+
+
+def cli(argv=None):
+    """The whole command line: the core's flags and the extensions', checked before any collective; the
+    core's loop with the optimizer the flags pick (make_extended_muon; --naive: the core's make_muon)."""
+    p = make_parser()
+    add_extension_flags(p)
+    args = p.parse_args(argv)
+    check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    return train(args, make_muon if args.naive else make_extended_muon)
 
 
 if __name__ == "__main__":
-    gpt2.run_main(main)
+    gpt2.run_main(cli)

@@ -1,15 +1,12 @@
 """
-pipeline.py - pipeline parallelism from point-to-point messages: GPT-2's blocks cut into stages, one per rank.
+pipeline.py - pipeline parallelism: GPT-2's blocks cut into P stages, one per rank; micro-batches stream through.
 
-The batch is split into M micro-batches that stream through the P stages: while rank 1 runs its blocks on
-micro-batch 0, rank 0 already runs micro-batch 1. Only the activation at each cut (B/M, T, C) moves forward
-and its gradient back. A schedule is each rank's order of ops: GPipe runs all M forwards, then all M
-backwards; 1F1B alternates them, so a rank holds P - rank micro-batches, not M. From every rank's list,
-plan_messages lays out each batch_isend_irecv of the step in advance; the executor receives, computes, sends.
-Notation: F forward, B full backward = I (input gradient) + W (weight gradient); the zero-bubble paper's B is our I.
-
-  rank0 [wte wpe h0-2] --act--> rank1 [h3-5] --act--> rank2 [h6-8] --act--> rank3 [h9-11 ln_f lm_head]
-                       <-grad--             <-grad--            <-grad--    lm_head is wte: grads summed
+The batch is split into M micro-batches. Only the activation at a cut, (B/M, T, C), moves down to the next
+stage, and its gradient moves back up. Naive (naive_step, --naive): every forward, then every backward, one
+blocking send/recv per message; a rank holds all M micro-batches. 1F1B (Pipeline.run, the default): after
+P-1-rank warm-up forwards, one forward then one backward: the same bubble, (P-1)/(M+P-1) of the step, but a rank
+holds only P - rank micro-batches, and the messages are planned (plan_messages) into batch_isend_irecv calls that
+run beside compute and never wait on each other in a cycle (on NCCL a send may block until its receive is posted).
 1F1B at P=2, M=4, as planned (a/g: activation/gradient of a micro-batch; the batch, then the op):
    op  rank 0                       rank 1
     0  F0                           recv a0 | F0
@@ -21,47 +18,60 @@ Notation: F forward, B full backward = I (input gradient) + W (weight gradient);
     6  send a3, recv g2 | B2        send g2, recv a3 | F3
     7  recv g3 | B3                 B3
   end                               send g3
-Unplanned (send when made, receive when needed), and a send may block until its receive is posted (NCCL):
-  rank 0: F1 done, sends a1 and blocks: rank 1 posts "recv a1" only before its F1
-  rank 1: F0, B0 done, sends g0 and blocks: rank 0 posts "recv g0" only before its B0. Neither returns.
-A send and the receives planned beside it go in one batch_isend_irecv (one NCCL group), so they progress
-together, never one waiting for the other; the planner picks the batch of every receive so that no
-cycle of waits is left, for any schedule (tests/ checks every plan against a model of NCCL's rules).
-
-Bubble: (P-1)/(M+P-1) of the step. Bytes per cut per step: 2 x B x T x C x dtype bytes (act + grad).
-Memory per rank: its stage's weights, grads, AdamW (1/P of the blocks; wte on the first and last stage),
-activations of M (GPipe) or P - rank (1F1B) micro-batches of B/M rows.
-Launch: torchrun --nproc_per_node=2 pipeline.py --schedule 1f1b --micro-batches 4 --batch-size 8 (python gpt2.py
-        train --batch-size 8: the same curve); beyond the core: zbh1, interleaved, dualpipe(v); --dp D replicas
-References: GPipe (Huang et al. 2019); 1F1B = PipeDream-Flush (Narayanan et al. 2021, Megatron-LM, 2.2); zero
-bubble (Qi et al. 2023, 3); DualPipe (DeepSeek-V3, 3.2.1); torch.distributed.pipelining (compared in tests/).
-Uses from gpt2.py: build_model, GPT.embed / forward_blocks / head_loss, setup, make_loaders, make_adamw,
-optimizer_groups, set_lr, Metrics, Profiler, CommMeter, check_args, fail, run_main.
+Who sums what (stage r: blocks [r*L/P, (r+1)*L/P); rank 0 also wte and wpe, rank P-1 ln_f and lm_head = wte):
+  loss         the last stage scales each micro-batch's mean loss by 1/(M x --grad-accum): gradients of the mean
+  stage grads  autograd sums them over the micro-batches (+=); never across stages (no two share a weight but wte)
+  wte/lm_head  one copy on rank 0 (embedding), one on rank P-1 (head): gradients summed over that pair
+  --dp D       D pipelines on different data: every gradient summed over its stage's D replicas, then / D
+  logged loss  the last stages' sums, summed over the world, / D; one .item() per step (the only host sync)
+  clip norm    each rank's sum of squares (wte counted once, on rank 0), summed over the pipeline: every rank
+               scales by the same min(1, clip / norm), as torch.nn.utils.clip_grad_norm_ on the whole model
+Read first: naive_step, one_f_one_b, plan_messages, Pipeline.run, train. Beyond the core: --schedule gpipe, zbh1,
+interleaved, dualpipe, dualpipev (subclasses); after training, one batch timed under both loops: their bubbles.
+Launch: torchrun --nproc_per_node=2 pipeline.py --micro-batches 4 --batch-size 8 (= python gpt2.py train --batch-size 8)
 """
 import collections
-import contextlib
-import json
+import functools
 import os
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import gpt2
 from gpt2 import print0
 
-Op = collections.namedtuple("Op", "kind stage mb")  # kind F | B (and I | W below the banner)
+Op = collections.namedtuple("Op", "kind stage mb")  # kind F (forward) | B (backward); one micro-batch on one stage
 
 
-def gpipe(P, M, rank):
-    """GPipe: all M forwards, then all M backwards; all M micro-batches' activations are held at once."""
-    return [Op("F", rank, i) for i in range(M)] + [Op("B", rank, i) for i in range(M)]
+def naive_step(pipe, x, y, scale):
+    """--naive (picotron's all-forward-all-backward): every forward, then every backward, each message a blocking
+    send or recv. No deadlock: activations flow only down, gradients only up, received in the order sent."""
+    s, last, dev = pipe.pp_rank, pipe.pp_rank == pipe.P - 1, pipe.ctx.device
+    up, down = pipe.base + s - 1, pipe.base + s + 1  # global ranks of the previous and the next stage
+    pipe.start(x, y, scale)
+    for mb in range(pipe.M):  # all forwards: receive the activation, run my blocks, send my output down
+        h = torch.empty(pipe.act_shape, device=dev) if s > 0 else None  # (B/M, T, C), fp32: the residual stream
+        if s > 0:
+            dist.recv(h, up)
+        out = pipe.compute(Op("F", s, mb), h)  # (("act", s + 1, mb), my output) or None on the last stage
+        if out is not None:
+            pipe.comm.send(out[1].nbytes)
+            dist.send(out[1].detach(), down)
+    for mb in range(pipe.M):  # all backwards: receive my output's gradient, backpropagate, send mine up
+        grad = torch.empty(pipe.act_shape, device=dev) if not last else None  # (B/M, T, C)
+        if not last:
+            dist.recv(grad, down)
+        out = pipe.compute(Op("B", s, mb), grad)  # (("grad", s - 1, mb), my input's gradient) or None on stage 0
+        if out is not None:
+            pipe.comm.send(out[1].nbytes)
+            dist.send(out[1], up)
+    return pipe.loss_sum
 
 
 def one_f_one_b(P, M, rank):
-    """1F1B (PipeDream-Flush): the same bubble as GPipe, but a rank holds at most P - rank micro-batches."""
+    """1F1B (PipeDream-Flush): naive_step's bubble, but rank r holds P - r micro-batches' activations, not M."""
     warmup = min(P - 1 - rank, M)  # forwards to issue before the first backward comes back
     ops = [Op("F", rank, i) for i in range(warmup)]
     for i in range(M - warmup):  # steady state: one forward, one backward
@@ -69,55 +79,46 @@ def one_f_one_b(P, M, rank):
     return ops + [Op("B", rank, i) for i in range(M - warmup, M)]  # cooldown: drain the backwards
 
 
-def message_out(op, S):
-    """What an op sends, keyed by the receiving stage: F its activation, B (and I) its input's gradient."""
-    if op.kind == "F" and op.stage < S - 1:
-        return ("act", op.stage + 1, op.mb)
-    return ("grad", op.stage - 1, op.mb) if op.kind in "BI" and op.stage > 0 else None
-
-
 def message_in(op, S):
-    """What an op waits for (the mirror of message_out)."""
-    if op.kind == "F" and op.stage > 0:
-        return ("act", op.stage, op.mb)
-    return ("grad", op.stage, op.mb) if op.kind in "BI" and op.stage < S - 1 else None
+    """What an op waits for, keyed by the receiving stage: F the activation from above, a backward (B; I beyond
+    the core) its output's gradient from below; None at the ends of the pipeline."""
+    from_below = op.kind != "F"  # a gradient comes up from stage + 1, an activation down from stage - 1
+    key = ("grad" if from_below else "act", op.stage, op.mb)
+    return key if op.kind in "FBI" and 0 < op.stage + from_below < S else None
 
 
-def simulate(orders, cost, unit=lambda order, i: 1):
-    """Every rank's op list run against its data dependencies, op durations `cost` ({kind or (kind, stage):
-    time}), free messages -> per rank [(op, start, end)]; unit(order, i): ops from i run as one unit."""
+def message_out(op, S):
+    """What an op sends (the mirror of message_in): F its output's activation, a backward its input's gradient."""
+    return message_in(Op(op.kind, op.stage + (1 if op.kind == "F" else -1), op.mb), S)
+
+
+def simulate(orders, cost):
+    """Every rank's op list run against its data dependencies with op durations `cost` ({kind or (kind, stage):
+    time}) and free messages -> per rank [(op, start, end)]."""
     P, S = len(orders), 1 + max(op.stage for order in orders for op in order)
-    dur = lambda op: cost.get((op.kind, op.stage), cost.get(op.kind))  # noqa: E731
     made_by = lambda key: ("F", key[1] - 1, key[2]) if key[0] == "act" else ("B", key[1] + 1, key[2])  # noqa: E731
-    done, out, pos, free = {}, [[] for _ in range(P)], [0] * P, [0.0] * P
-    while any(pos[r] < len(orders[r]) for r in range(P)):
+    done, out, free = {}, [[] for _ in range(P)], [0.0] * P
+    while sum(map(len, out)) < sum(map(len, orders)):
         progressed = False
-        for r in range(P):
-            while pos[r] < len(orders[r]):
-                ops = orders[r][pos[r]:pos[r] + unit(orders[r], pos[r])]
-                needs = [made_by(k) for k in (message_in(o, S) for o in ops) if k is not None]
-                if any(n not in done for n in needs):
+        for r, order in enumerate(orders):
+            for op in order[len(out[r]):]:
+                key = message_in(op, S)
+                if key is not None and made_by(key) not in done:
                     break
-                t = max([free[r]] + [done[n] for n in needs])
-                for o in ops:
-                    out[r].append((o, t, t + dur(o)))
-                    t += dur(o)
-                for o in ops:
-                    done[("B" if o.kind == "I" else o.kind, o.stage, o.mb)] = t
-                free[r], pos[r], progressed = t, pos[r] + len(ops), True
-        if not progressed:
-            stuck = [o[p] if p < len(o) else None for o, p in zip(orders, pos)]
-            raise RuntimeError(f"the op lists deadlock (P={P}, at ops {stuck})")
+                start = max(free[r], done[made_by(key)] if key is not None else 0.0)
+                free[r] = start + cost.get((op.kind, op.stage), cost.get(op.kind))
+                out[r].append((op, start, free[r]))
+                done[("B" if op.kind == "I" else op.kind, op.stage, op.mb)], progressed = free[r], True
+        assert progressed, f"the op lists deadlock (P={P}, after {[len(o) for o in out]} ops)"
     return out
 
 
 def plan_messages(orders, owner):
-    """Every message of a step, before anything moves: per rank, batch 0 before its first op, batch i + 1
-    right after op i, each [("send" | "recv", peer, key)]; owner(stage, mb) runs that stage. On one clock
-    (a simulation of the op lists) a message leaves right after the op that made it, at its end t, and
-    the receiver posts it in its first batch at or after t. Intuition: a batch waits only on batches
-    earlier on that clock, so no cycle forms; the proof is tests/' exhaustive check against a model of
-    NCCL's rules. NCCL pairs the n-th send a->b with the n-th receive: receives follow the send order."""
+    """Every message of a step, before anything moves: per rank, batch 0 before its first op, batch i + 1 after
+    op i, each [("send" | "recv", peer, key)]; owner(stage, mb): the rank running it. On one clock (a simulation)
+    a message leaves when the op that made it ends, at t, and the receiver posts it in its first batch at or
+    after t: a batch waits only on batches earlier on that clock, so no cycle forms (tests/ checks every plan
+    against a model of NCCL's rules, which pair the n-th send a->b with the n-th receive: in send order)."""
     spans = simulate(orders, {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0})  # any costs would do: these are nominal
     S = 1 + max(op.stage for order in orders for op in order)
     plans = [[[] for _ in range(len(order) + 1)] for order in orders]
@@ -144,85 +145,56 @@ def keep_only(model, layers, first, last):
 
 
 class Pipeline:
-    """This rank's stage of GPT-2 and the executor of a schedule over it (1F1B; GPipe below). run, per op:
-    receive (wait for the planned receive of its input), compute, send (queue the output, issue the next
-    planned batch). inbox: posted receives by key; outbox: outputs awaiting their batch; saved: per (stage,
-    micro-batch) what its backward needs. The schedules below the banner override the layout methods."""
-    schedule = staticmethod(one_f_one_b)
+    """Rank r's stage of GPT-2 and the 1F1B executor over it. inbox: posted receives by key; outbox: outputs
+    awaiting their batch; saved: per (stage, micro-batch) what its backward needs. What 1F1B improves over
+    naive_step: P - rank micro-batches held, not M, and messages in flight while the rank computes."""
 
     def __init__(self, args, ctx, P):
         self.args, self.ctx, self.P, self.M, self.D = args, ctx, P, args.micro_batches, args.dp
-        self.pp_rank, self.replica, self.S = ctx.rank % P, ctx.rank // P, self.num_stages()
-        self.base = self.replica * P  # global rank of this replica's pipeline rank 0
-        model = gpt2.build_model(args)  # the full model from --seed, then keep only this rank's stages
-        self.cfg, self.n_params, per = model.config, model.num_params(), model.config.n_layer // self.S
-        self.layers = {s: (s * per, (s + 1) * per) for s in range(self.S)}  # blocks [lo, hi) of each stage
-        self.my_stages = self.stages_of(self.pp_rank)
-        self.first, self.last = 0 in self.my_stages, self.S - 1 in self.my_stages
-        keep = {i for s in self.my_stages for i in range(*self.layers[s])}
-        self.model = keep_only(model, keep, self.first, self.last).to(ctx.device)
-        for i in sorted(keep) if args.compile else ():  # per block, so the stage cuts stay plain Python
+        self.pp_rank, self.replica, self.base, self.S = ctx.rank % P, ctx.rank // P, ctx.rank // P * P, P
+        self.comm, self.timing, self.spans, self.peak_held = gpt2.CommMeter(), False, [], 0
+        model = gpt2.build_model(args)  # the full model from --seed, then keep only this rank's stage
+        self.cfg, self.n_params, per = model.config, model.num_params(), model.config.n_layer // P
+        self.layers = {s: (s * per, (s + 1) * per) for s in range(P)}  # blocks [lo, hi) of each stage
+        self.first, self.last = self.pp_rank == 0, self.pp_rank == P - 1
+        self.model = keep_only(model, range(*self.layers[self.pp_rank]), self.first, self.last).to(ctx.device)
+        for i in range(*self.layers[self.pp_rank]) if args.compile else ():  # per block: the cuts stay Python
             self.model.h[i].compile()
         self.orders = [self.op_list(r) for r in range(P)]
-        self.plan = plan_messages(self.orders, self.owner)  # every message of a step, laid out in advance
-        # messages travel in the compute dtype (bf16 on GPUs: half the bytes), the residual stream is fp32
-        self.wire_dtype, self.resid_dtype = ctx.dtype, torch.float32
-        self._make_groups()
+        self.plan = plan_messages(self.orders, lambda stage, mb: stage)  # every message of a step, in advance
+        self.wire_dtype, self.resid_dtype = ctx.dtype, torch.float32  # messages in bf16 on GPUs, residuals fp32
+        self.make_groups()
         if ctx.world > 1:
             dist.barrier()  # brings every NCCL communicator up before the first (partial) batch_isend_irecv
 
-    def num_stages(self):  # the layout: one stage per rank
-        return self.P
-
-    def stages_of(self, rank):
-        return (rank,)
-
-    def owner(self, stage, mb):  # the pipeline rank that runs `stage` for micro-batch `mb`
-        return stage
-
     def op_list(self, rank):
-        return self.schedule(self.P, self.M, rank)
+        return one_f_one_b(self.P, self.M, rank)
 
-    def copies(self, p):  # the pipeline ranks holding the same parameters as rank p (gradients summed)
-        return [p]
-
-    def _make_groups(self):  # every rank creates every group, in the same order; None: the default group
-        P, D, r = self.P, self.D, self.ctx.rank
+    def make_groups(self):  # every rank creates every group, in the same order; None: the default group
+        P, D = self.P, self.D
         new = lambda ranks: dist.new_group(ranks) if 1 < len(ranks) < self.ctx.world else None  # noqa: E731
-        self.pp_group = [new(list(range(d * P, (d + 1) * P))) for d in range(D)][self.replica]  # loss, norm
-        for p in (p for p in range(P) if min(self.copies(p)) == p):  # same parameters: D replicas (x copies)
-            ranks = sorted(d * P + q for d in range(D) for q in self.copies(p))
-            g = new(ranks)
-            if r in ranks:
-                self.grad_group, self.grad_group_size = g, len(ranks)
-        # tied wte/lm_head on two ranks: each keeps a copy, gradients summed (Megatron-LM's embedding group)
-        self.tied_split = P > 1 and self.S - 1 not in self.stages_of(0)
-        if self.tied_split:
-            self.embed_group = [new([d * P, d * P + P - 1]) for d in range(D)][self.replica]
-
-    def receive(self, op):
-        """Wait for the planned receive that carries this op's input (None: the op needs none)."""
-        key = message_in(op, self.S)
-        tensor, works = (None, []) if key is None else self.inbox.pop(key)
-        for w in works:
-            w.wait()
-        return tensor
+        self.pp_group = [new(list(range(d * P, (d + 1) * P))) for d in range(D)][self.replica]  # loss, clip norm
+        self.dp_group = [new(list(range(p, P * D, P))) for p in range(P)][self.pp_rank]  # a stage's D replicas
+        self.embed_group = [new([d * P, d * P + P - 1]) for d in range(D)][self.replica] if P > 1 else None  # tied wte
+    def start(self, x, y, scale):
+        self.inbox, self.outbox, self.sent, self.saved, self.spans = {}, {}, [], {}, []
+        B = x.size(0) // self.M
+        self.act_shape, self.scale = (B, x.size(1), self.cfg.n_embd), scale
+        self.xs, self.ys = (t.to(self.ctx.device, non_blocking=True).split(B) for t in (x, y))  # M x (B/M, T)
+        self.loss_sum = torch.zeros((), device=self.ctx.device)
 
     def send(self, message, batch):
-        """Queue an op's output (key, tensor) and issue the planned batch that follows the op."""
+        """Queue an op's output (key, tensor), then issue the planned batch that follows the op."""
         if message is not None:
             key, tensor = message
-            if self.owner(key[1], key[2]) == self.pp_rank:  # the next stage is on this rank: no message
-                self.inbox[key] = (tensor.detach(), [])
-            else:
-                self.outbox[key] = tensor.detach().to(self.wire_dtype).contiguous()
-        self._issue(batch)
+            self.outbox[key] = tensor.detach().to(self.wire_dtype).contiguous()
+        self.issue(batch)
 
-    def _issue(self, batch):
-        """One planned batch_isend_irecv: the queued sends and the receives planned here. Tags are for gloo,
-        which matches on them; NCCL matches in order, which the plan guarantees."""
+    def issue(self, batch):
+        """One planned batch_isend_irecv: queued sends, planned receives (tags for gloo; NCCL matches in order)."""
         tag = lambda key: ((key[0] == "grad") * self.S + key[1]) * self.M + key[2]  # noqa: E731
         buffer = lambda: torch.empty(self.act_shape, dtype=self.wire_dtype, device=self.ctx.device)  # noqa: E731
+        self.comm.send(sum(self.outbox[key].nbytes for kind, _, key in batch if kind == "send"))
         ops = [dist.P2POp(dist.isend, self.outbox.pop(key), self.base + peer, tag=tag(key)) if kind == "send" else
                dist.P2POp(dist.irecv, buffer(), self.base + peer, tag=tag(key)) for kind, peer, key in batch]
         if ops:
@@ -233,26 +205,33 @@ class Pipeline:
                     self.sent.append((w, op.tensor))
                 else:
                     self.inbox[key] = (op.tensor, w)
-        # a send buffer is dropped as soon as its send is done: the stage output it holds is then freed
-        # (Megatron's deallocate_output_tensor; backward needs only the graph, kept as a GradientEdge)
+        # a sent output is freed once its send is done (Megatron's deallocate_output_tensor: backward needs the graph)
         self.sent = [(w, t) for w, t in self.sent if not all(x.is_completed() for x in w)]
 
-    def _all_reduce(self, tensor, group=None):  # the appendix wraps it (and _issue) to count bytes
-        dist.all_reduce(tensor, group=group)
+    def compute(self, op, h):
+        """One op on its input h (or None) -> the message it sends (or None); timed when measuring (no host sync)."""
+        start = self.clock() if self.timing else None
+        message = self.forward(op, h) if op.kind == "F" else self.backward(op, h)
+        if self.timing:
+            self.spans.append((op, start, self.clock()))
+        self.peak_held = max(self.peak_held, len(self.saved))
+        return message
 
-    def compute(self, op, h, xs, ys):  # one op on its input h (or None) -> the message it sends (or None)
-        return self._forward(op, h, xs, ys) if op.kind == "F" else self._backward(op, h)
+    def clock(self):  # CUDA: an event recorded on the stream, read after the step; CPU: the host clock in ms
+        if self.ctx.device.type != "cuda":
+            return time.perf_counter() * 1e3
+        return torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
 
-    def _forward(self, op, h, xs, ys):
+    def forward(self, op, h):
         s, mb = op.stage, op.mb
         with self.ctx.autocast():
             if s == 0:
-                h_in, h = None, self.model.embed(xs[mb])  # (B/M, T, C)
+                h_in, h = None, self.model.embed(self.xs[mb])  # (B/M, T, C)
             else:
                 h_in = h = h.to(self.resid_dtype).requires_grad_(torch.is_grad_enabled())
             h = self.model.forward_blocks(h, *self.layers[s])  # (B/M, T, C)
             if s == self.S - 1:  # the step's loss is the mean over micro-batches: each is scaled by 1/M
-                out = self.model.head_loss(h, ys[mb]) * self.scale
+                out = self.model.head_loss(h, self.ys[mb]) * self.scale
                 self.loss_sum += out.detach().float()
         if s < self.S - 1:  # backward needs the graph behind h, not h: once sent, h is freed
             out = torch.autograd.graph.get_gradient_edge(h) if torch.is_grad_enabled() else None
@@ -260,117 +239,134 @@ class Pipeline:
             self.saved[(s, mb)] = (h_in, out)
         return (("act", s + 1, mb), h) if s < self.S - 1 else None
 
-    def _backward(self, op, grad):
+    def backward(self, op, grad):
         s, mb = op.stage, op.mb
         h_in, out = self.saved.pop((s, mb))
         torch.autograd.backward(out, None if grad is None else grad.to(self.resid_dtype))
         return (("grad", s - 1, mb), h_in.grad) if s > 0 else None
 
     def run(self, x, y, scale, orders=None, plan=None):
-        """One step of this rank's op list and planned messages (others: evaluation's) on the batch (x, y)
-        -> this rank's part of the loss (the scaled micro-batch losses; non-zero where a last stage lives)."""
+        """One step of this rank's op list and planned messages (or evaluation's): per op receive, compute,
+        send -> this rank's part of the loss (the scaled micro-batch losses; non-zero on the last stage)."""
         orders, plan, me = orders or self.orders, plan or self.plan, self.pp_rank
-        self.inbox, self.outbox, self.sent, self.saved = {}, {}, [], {}
-        B = x.size(0) // self.M
-        self.act_shape, self.scale = (B, x.size(1), self.cfg.n_embd), scale
-        xs, ys = x.to(self.ctx.device).split(B), y.to(self.ctx.device).split(B)
-        self.loss_sum = torch.zeros((), device=self.ctx.device)
-        self._issue(plan[me][0])  # the receives planned before the first op
+        self.start(x, y, scale)
+        self.issue(plan[me][0])  # the receives planned before the first op
         for i, op in enumerate(orders[me]):
-            h = self.receive(op)
-            out = self.compute(op, h, xs, ys)
+            key = message_in(op, self.S)  # receive: wait for the planned receive of the op's input
+            h, works = self.inbox.pop(key) if key is not None else (None, [])
+            for w in works:
+                w.wait()  # on CUDA the stream waits, not the host
+            out = self.compute(op, h)
             self.send(out, plan[me][i + 1])
         for w in (w for works, _ in self.sent for w in works):
             w.wait()
         assert not (self.inbox or self.outbox or self.saved), "schedule left work behind"
         return self.loss_sum
 
+    def all_reduce(self, tensor, group=None):  # a SUM, its bytes counted by the meter the pipeline holds
+        self.comm.all_reduce(tensor.nbytes, dist.get_world_size(group))
+        dist.all_reduce(tensor, group=group)
+
     def sync_grads(self):
-        params = list(self.model.parameters())
-        for p in (p for p in params if p.grad is None):
-            p.grad = torch.zeros_like(p)
-        if self.tied_split and (self.first or self.last):
-            self._all_reduce((self.model.wte if self.first else self.model.lm_head).weight.grad, self.embed_group)
-        if self.grad_group_size > 1:  # sum over the copies, average over the D replicas
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            self._all_reduce(flat, self.grad_group)
-            flat /= self.D
-            for p, g in zip(params, flat.split([p.numel() for p in params])):
-                p.grad.copy_(g.view_as(p))
+        """The tied wte/lm_head summed over its two copies, then every gradient averaged over the D replicas."""
+        params = list(self.model.parameters())  # the same order on every replica
+        if self.P > 1 and (self.first or self.last):
+            self.all_reduce((self.model.wte if self.first else self.model.lm_head).weight.grad, self.embed_group)
+        for p in params if self.D > 1 else ():  # the sum over the replicas, then / D: a mean
+            self.all_reduce(p.grad, self.dp_group)
+            p.grad /= self.D
 
-    def global_loss(self, loss_sum):
-        if self.ctx.world > 1:  # the last stages hold the losses; the mean over replicas is the step's loss
-            self._all_reduce(loss_sum)
-        return (loss_sum / self.D).item()
+    def clip_grad_norm(self, max_norm):
+        """gpt2.py's --grad-clip over the whole pipeline (the tied wte counted once, on the first stage)."""
+        head = self.model.lm_head.weight if self.P > 1 and self.last else None  # wte's copy: counted on rank 0
+        sq = sum((torch.linalg.vector_norm(p.grad.float()).square() for p in self.model.parameters() if p is not head),
+                 torch.zeros((), device=self.ctx.device))
+        if self.P > 1:
+            self.all_reduce(sq, self.pp_group)  # the sum of squares over the stages
+        coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)  # a tensor: no host sync
+        for p in self.model.parameters():
+            p.grad.mul_(coef)
+
+    def global_loss(self, loss_sum):  # the last stages hold the losses; the mean over replicas is the step's
+        if self.ctx.world > 1:
+            self.all_reduce(loss_sum)
+        return loss_sum / self.D
+
+    def forward_plan(self):  # evaluation: forwards only, in stage order
+        orders = [[Op("F", r, i) for i in range(self.M)] for r in range(self.P)]
+        return orders, plan_messages(orders, lambda stage, mb: stage)
 
 
-class GPipe(Pipeline):
-    schedule = staticmethod(gpipe)
-
-
-def train(argv=None):
-    """gpt2.train's order: lr, micro-steps, clip, step, zero_grad, check, log, eval."""
-    args = make_parser().parse_args(argv)
-    P = check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
-    ctx, comm = gpt2.setup(args), gpt2.CommMeter()
-    pipe = build_pipeline(args, ctx, P, comm)  # the class of --schedule, with its timeline and byte meter
+def train(args, P, Pipe=Pipeline):
+    """gpt2.train's loop: lr, micro-steps (naive_step or the schedule), gradients synced, clip, step, log, eval."""
+    ctx = gpt2.setup(args)
+    pipe = Pipe(args, ctx, P)
     train_loader, val_loader = gpt2.make_loaders(args, pipe.replica, args.dp, pipe.cfg.vocab_size)
     opt = gpt2.make_adamw(gpt2.optimizer_groups(pipe.model, args.weight_decay), args, ctx.device)
     tokens = args.batch_size * args.seq_len * args.grad_accum * args.dp
     metrics, profiler = gpt2.Metrics(args, ctx, pipe.cfg, pipe.n_params, tokens), gpt2.Profiler(args, ctx)
-    print0(f"{args.schedule}: P={P} x D={args.dp} replicas, {pipe.S} stages of {pipe.cfg.n_layer // pipe.S} blocks,"
-           f" M={pipe.M} micro-batches of {args.batch_size // pipe.M} | device {ctx.device} {ctx.dtype}")
-    scale = 1.0 / (args.micro_batches * args.grad_accum)
+    loop = functools.partial(naive_step, pipe) if args.naive else pipe.run
+    eval_orders, eval_plan = pipe.forward_plan()
+    print0(f"{'naive' if args.naive else type(pipe).__name__}: P={P} x D={args.dp} replicas, {pipe.S} stages, "
+           f"M={pipe.M} micro-batches of {args.batch_size // pipe.M} | device {ctx.device} {ctx.dtype}")
+    scale = 1.0 / (args.micro_batches * args.grad_accum)  # the step's loss: the mean over every micro-batch
     for step in range(args.steps):
         profiler.step(step)
         metrics.start_step()
         lr = gpt2.set_lr(opt, step, args)
-        loss_sum = torch.zeros((), device=ctx.device)
-        for _ in range(args.grad_accum):
-            x, y = train_loader.next_batch()
-            loss_sum += pipe.run(x, y, scale, align=step == args.steps - 1)  # align: the drawn step
+        loss_sum = sum(loop(*train_loader.next_batch(), scale) for _ in range(args.grad_accum))  # micro-steps
         pipe.sync_grads()
-        loss_val = pipe.global_loss(loss_sum)
+        loss = pipe.global_loss(loss_sum)
         if args.grad_clip > 0:
-            clip_grad_norm(pipe, args.grad_clip)
+            pipe.clip_grad_norm(args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        loss_val = loss.item()  # the step's one host sync, after the optimizer step is queued
         gpt2.check_finite(loss_val, step)
-        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb())
+        metrics.log_step(step, loss_val, lr, comm_mb=pipe.comm.take_mb())
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            pipe.model.eval()
-            metrics.log_val(step, evaluate(pipe, val_loader, args.eval_steps))
+            pipe.model.eval()  # gpt2.evaluate averages over all P x D ranks: scale the last stages' losses by P
+            val_loss = functools.partial(pipe.run, scale=P / pipe.M, orders=eval_orders, plan=eval_plan)
+            metrics.log_val(step, gpt2.evaluate(val_loss, val_loader, args.eval_steps, ctx.device))
             pipe.model.train()
-    report(pipe, args)
     metrics.plot()
-    print0(f"wrote {args.out}/metrics.jsonl, loss.png and schedule.png")
     return pipe
 
 
+def make_parser():
+    p = gpt2.make_parser("Train GPT-2 with pipeline parallelism (1F1B; --naive: all forwards, then all backwards).")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches M that --batch-size is split into")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel pipeline replicas D (world = P * D)")
+    p.add_argument("--naive", action="store_true", help="all forwards, then all backwards, blocking send/recv")
+    return p
+
+
+def main(argv=None):
+    args = make_parser().parse_args(argv)
+    train(args, int(os.environ.get("WORLD_SIZE", 1)) // args.dp)
+
+
 # ---- Beyond the core ----
-# Each schedule below is a subclass of Pipeline, chosen by --schedule (build_pipeline in the appendix):
-#   SplitBackward: the I/W tape, a backward split into I now and W later (zero bubble, Qi et al. 2023, 2)
+# Each schedule below is a subclass of Pipeline, chosen by --schedule (cli in the appendix):
+#   GPipe: all forwards, then all backwards, with planned messages (Huang et al. 2019)
+#   SplitBackward: a backward split into I (input gradient) now and W (weight gradient) later (Qi et al. 2023, 2)
 #   ZBH1: 1F1B with W's deferred into the cooldown (Qi et al. 2023, 3.1)
-#   Interleaved: --virtual-stages V chunks per rank (Narayanan et al. 2021, 2.2; Megatron-LM's order)
-#   DualPipe: two directions, two copies of every stage (DeepSeek-V3 3.2.1; deepseek-ai/DualPipe)
+#   MultiStage: several stages per rank; Interleaved: --virtual-stages V chunks per rank (Narayanan et al.
+#   2021, 2.2, Megatron-LM's order); DualPipe: two directions, two copies of every stage (DeepSeek-V3 3.2.1);
 #   DualPipeV: DualPipe folded into a V, one copy (deepseek-ai/DualPipe, torch's ScheduleDualPipeV)
 #   simulate_paired: DualPipe as DeepSeek runs it, each F&B pair one unit (DeepSeek-V3 table 2)
-#   clip_grad_norm: gpt2.py's --grad-clip over the stages of a pipeline (each parameter counted once)
+# Notation: F forward, B full backward = I (input gradient) + W (weight gradient); the zero-bubble paper's B is I.
+import torch.nn.functional as F  # noqa: E402
 
 
-def clip_grad_norm(pipe, max_norm):
-    """gpt2.py's --grad-clip across the stages: torch.nn.utils.clip_grad_norm_ over the whole model, each
-    parameter counted once (the lowest of its copies; the head's copy of wte on the first stage)."""
-    params = [] if min(pipe.copies(pipe.pp_rank)) != pipe.pp_rank else [
-        p for p in pipe.model.parameters() if not (pipe.tied_split and pipe.last and p is pipe.model.lm_head.weight)]
-    sq = sum((torch.linalg.vector_norm(p.grad.float()).square() for p in params),
-             torch.zeros((), device=pipe.ctx.device))
-    if pipe.P > 1:
-        pipe._all_reduce(sq, pipe.pp_group)
-    coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
-    for p in pipe.model.parameters():
-        p.grad.mul_(coef)
-    return sq.sqrt()
+def gpipe(P, M, rank):
+    """GPipe: all M forwards, then all M backwards; all M micro-batches' activations are held at once."""
+    return [Op("F", rank, i) for i in range(M)] + [Op("B", rank, i) for i in range(M)]
+
+
+class GPipe(Pipeline):
+    def op_list(self, rank):
+        return gpipe(self.P, self.M, rank)
 
 
 def _accumulate(p, g, rows=None):
@@ -383,68 +379,45 @@ def _accumulate(p, g, rows=None):
 
 
 class SplitBackward(Pipeline):
-    """The I/W tape: a forward whose backward will be split records, per Linear and LayerNorm (and the
-    embedding), its input and where its output's gradient arrives; I computes the gradients of the stage
-    input and of those outputs (autograd skips the weight-gradient matmuls), W the weight gradients from
-    the recorded pairs. The outputs are not kept, but from I to W the tape holds each output's gradient:
+    """The I/W tape: a forward whose backward will be split records, by a forward hook on every Linear,
+    LayerNorm and Embedding, its input and where its output's gradient arrives; I computes the gradients of
+    the stage input and of those outputs (autograd skips the weight-gradient matmuls), W the weight gradients
+    from the recorded pairs. The outputs are not kept, but from I to W the tape holds each output's gradient:
     for lm_head the logits-sized (B/M, T, V). Ops I and W; B stays the full backward."""
 
     def __init__(self, args, ctx, P):
         super().__init__(args, ctx, P)
-        self._tape = None
+        self.tape, self.split, self.tapes, self.deferred = None, set(), {}, {}
         if any(op.kind == "I" for op in self.orders[self.pp_rank]):
             for m in self.model.modules():
-                if isinstance(m, (nn.Linear, nn.LayerNorm)):
-                    self._record_inputs(m)
-            if self.first:
-                self._record_embed()
+                if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding)):
+                    m.register_forward_hook(self.record)
 
-    def _record_inputs(self, module):
-        """Wrap a Linear/LayerNorm so that, inside a recorded forward, it writes (module, input, where its
-        output's gradient arrives) on the tape. Under --compile the wrapper stays eager (a graph break)."""
-        forward = module.forward
-
-        @torch.compiler.disable
-        def recorded(x):
-            y = forward(x)
-            if self._tape is not None:
-                self._tape.append((module, x, torch.autograd.graph.get_gradient_edge(y)))
-            return y
-        module.forward = recorded
-
-    def _record_embed(self):
-        embed = self.model.embed
-
-        def recorded(idx):
-            h = embed(idx)
-            if self._tape is not None:
-                self._tape.append(("embed", idx, torch.autograd.graph.get_gradient_edge(h)))
-            return h
-        self.model.embed = recorded
+    @torch.compiler.disable  # under --compile the recording stays eager (a graph break)
+    def record(self, module, inputs, output):
+        if self.tape is not None:
+            self.tape.append((module, inputs[0], torch.autograd.graph.get_gradient_edge(output)))
 
     def run(self, x, y, scale, orders=None, plan=None):
         self.split = {(op.stage, op.mb) for op in (orders or self.orders)[self.pp_rank] if op.kind == "I"}
-        self.tapes, self.deferred = {}, {}
         loss = super().run(x, y, scale, orders, plan)
         assert not (self.tapes or self.deferred), "schedule left work behind"
         return loss
 
-    def compute(self, op, h, xs, ys):
-        if op.kind == "I":
-            return self._input_grad(op, h)
-        if op.kind == "W":
-            return self._weight(op)
-        return super().compute(op, h, xs, ys)
-
-    def _forward(self, op, h, xs, ys):
+    def forward(self, op, h):
         if (op.stage, op.mb) not in self.split:
-            return super()._forward(op, h, xs, ys)
-        self._tape = []
-        message = super()._forward(op, h, xs, ys)
-        self.tapes[(op.stage, op.mb)], self._tape = self._tape, None
+            return super().forward(op, h)
+        self.tape = []
+        message = super().forward(op, h)
+        self.tapes[(op.stage, op.mb)], self.tape = self.tape, None
         return message
 
-    def _input_grad(self, op, grad):
+    def backward(self, op, grad):
+        message = {"B": super().backward, "I": self.input_grad, "W": self.weight_grad}[op.kind](op, grad)
+        self.peak_held = max(self.peak_held, len(self.saved.keys() | self.deferred.keys()))
+        return message
+
+    def input_grad(self, op, grad):
         """I: the gradient w.r.t. the stage input (the previous stage waits for it) and w.r.t. every recorded
         output; the (input, output gradient) pairs wait for W."""
         s, mb = op.stage, op.mb
@@ -454,14 +427,13 @@ class SplitBackward(Pipeline):
         self.deferred[(s, mb)] = [(m, x, dy) for (m, x, _), dy in zip(tape, grads[len(grads) - len(tape):])]
         return (("grad", s - 1, mb), grads[0]) if s > 0 else None
 
-    def _weight(self, op):
+    def weight_grad(self, op, _):
         """W: the weight gradients of one I, from the recorded inputs x and output gradients dy."""
         for m, x, dy in self.deferred.pop((op.stage, op.mb)):
-            if m == "embed":  # x are token ids: wte gathers rows, wpe adds over the batch
-                _accumulate(self.model.wte.weight, None, rows=(x.reshape(-1), dy.reshape(-1, dy.size(-1))))
-                _accumulate(self.model.wpe.weight, None, rows=(torch.arange(dy.size(1), device=dy.device), dy.sum(0)))
+            dy2 = dy.reshape(-1, dy.size(-1))  # (N, out features)
+            if isinstance(m, nn.Embedding):  # x are token ids (wte) or positions (wpe): rows gathered
+                _accumulate(m.weight, None, rows=(x.reshape(-1), dy2))
                 continue
-            dy2 = dy.reshape(-1, dy.size(-1))
             if isinstance(m, nn.Linear):
                 _accumulate(m.weight, dy2.t() @ x.reshape(-1, x.size(-1)).to(dy2.dtype))
             else:  # LayerNorm: y = xhat * gamma + beta
@@ -494,7 +466,98 @@ def zbh1(P, M, rank):
 
 
 class ZBH1(SplitBackward):
-    schedule = staticmethod(zbh1)
+    def op_list(self, rank):
+        return zbh1(self.P, self.M, rank)
+
+
+class MultiStage(Pipeline):
+    """Several stages per rank: the layout is num_stages(), stages_of(rank), owner(stage, mb) (the rank that
+    runs a stage for a micro-batch) and copies(p) (the pipeline ranks holding the same parameters). The
+    core's __init__, send, groups, gradient sums, clip and evaluation plan, rewritten for it: a message
+    between two stages of one rank stays on the rank, the tied wte is summed only where its two uses sit on
+    two ranks, and copies of a stage sum their gradients."""
+
+    def __init__(self, args, ctx, P):  # the core's __init__ with this layout (it does not call the core's)
+        self.args, self.ctx, self.P, self.M, self.D = args, ctx, P, args.micro_batches, args.dp
+        self.pp_rank, self.replica, self.base = ctx.rank % P, ctx.rank // P, ctx.rank // P * P
+        self.S, self.my_stages = self.num_stages(), self.stages_of(ctx.rank % P)
+        self.comm, self.timing, self.spans, self.peak_held = gpt2.CommMeter(), False, [], 0
+        model = gpt2.build_model(args)
+        self.cfg, self.n_params, per = model.config, model.num_params(), model.config.n_layer // self.S
+        self.layers = {s: (s * per, (s + 1) * per) for s in range(self.S)}
+        self.first, self.last = 0 in self.my_stages, self.S - 1 in self.my_stages
+        keep = {i for s in self.my_stages for i in range(*self.layers[s])}
+        self.model = keep_only(model, keep, self.first, self.last).to(ctx.device)
+        for i in sorted(keep) if args.compile else ():
+            self.model.h[i].compile()
+        self.orders = [self.op_list(r) for r in range(P)]
+        self.plan = plan_messages(self.orders, self.owner)
+        self.wire_dtype, self.resid_dtype = ctx.dtype, torch.float32
+        self.make_groups()
+        if ctx.world > 1:
+            dist.barrier()
+
+    def num_stages(self):
+        return self.P
+
+    def stages_of(self, rank):
+        return (rank,)
+
+    def owner(self, stage, mb):
+        return stage
+
+    def copies(self, p):
+        return [p]
+
+    def make_groups(self):  # every rank creates every group, in the same order; None: the default group
+        P, D, r = self.P, self.D, self.ctx.rank
+        new = lambda ranks: dist.new_group(ranks) if 1 < len(ranks) < self.ctx.world else None  # noqa: E731
+        self.pp_group = [new(list(range(d * P, (d + 1) * P))) for d in range(D)][self.replica]
+        for p in (p for p in range(P) if min(self.copies(p)) == p):  # same parameters: D replicas (x copies)
+            ranks = sorted(d * P + q for d in range(D) for q in self.copies(p))
+            g = new(ranks)
+            if r in ranks:
+                self.grad_group, self.grad_group_size = g, len(ranks)
+        self.tied_split = P > 1 and self.S - 1 not in self.stages_of(0)
+        if self.tied_split:
+            self.embed_group = [new([d * P, d * P + P - 1]) for d in range(D)][self.replica]
+
+    def send(self, message, batch):
+        if message is not None and self.owner(message[0][1], message[0][2]) == self.pp_rank:
+            self.inbox[message[0]] = (message[1].detach(), [])  # the next stage is on this rank: no message
+            message = None
+        super().send(message, batch)
+
+    def sync_grads(self):
+        params = list(self.model.parameters())
+        for p in (p for p in params if p.grad is None):
+            p.grad = torch.zeros_like(p)
+        if self.tied_split and (self.first or self.last):
+            self.all_reduce((self.model.wte if self.first else self.model.lm_head).weight.grad, self.embed_group)
+        if self.grad_group_size > 1:  # sum over the copies, average over the D replicas
+            flat = torch.cat([p.grad.reshape(-1) for p in params])  # (all of this rank's parameters,)
+            self.all_reduce(flat, self.grad_group)
+            flat /= self.D
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
+
+    def clip_grad_norm(self, max_norm):
+        """Each parameter counted once: the lowest of its copies; the head's copy of wte on the first stage."""
+        head = self.model.lm_head.weight if self.tied_split and self.last else None  # wte's copy: counted on rank 0
+        params = [] if min(self.copies(self.pp_rank)) != self.pp_rank else [
+            p for p in self.model.parameters() if p is not head]
+        sq = sum((torch.linalg.vector_norm(p.grad.float()).square() for p in params),
+                 torch.zeros((), device=self.ctx.device))
+        if self.P > 1:
+            self.all_reduce(sq, self.pp_group)
+        coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
+        for p in self.model.parameters():
+            p.grad.mul_(coef)
+
+    def forward_plan(self):  # lower stages first: a topological order in every layout
+        orders = [[Op("F", s, i) for s in sorted(self.stages_of(r)) for i in range(self.M) if self.owner(s, i) == r]
+                  for r in range(self.P)]
+        return orders, plan_messages(orders, self.owner)
 
 
 def interleaved(P, M, rank, V):
@@ -513,7 +576,7 @@ def interleaved(P, M, rank, V):
     return ops + [Op("B", *stage_mb(k, False)) for k in range(total - warmup, total)]
 
 
-class Interleaved(Pipeline):
+class Interleaved(MultiStage):
     """--virtual-stages V: rank r holds stages r, r+P, ..., r+(V-1)P (one chunk of L/(VP) blocks each)."""
 
     def __init__(self, args, ctx, P):
@@ -581,6 +644,8 @@ class _OpList:
     def W(self):
         if self.pending_w:
             self.ops.append(Op("W", *self.pending_w.popleft()))
+
+
 def _dualpipe_phases(half, h, chunks, near, far, mb_base):
     """The eight phases of DualPipe (deepseek-ai/DualPipe) on a rank h steps from its end of a pipeline of
     2*half ranks fed `chunks` micro-batches per direction. `near` is this rank's stage in the direction
@@ -628,12 +693,13 @@ def dualpipev(P, M, rank):
     return _dualpipe_phases(P, rank, M, rank, 2 * P - 1 - rank, {})
 
 
-
-class DualPipe(SplitBackward):
+class DualPipe(SplitBackward, MultiStage):
     """M/2 micro-batches enter at each end; rank r holds stage r of direction 0 and stage P-1-r of direction
     1, so ranks r and P-1-r hold copies of the same stages and sum their gradients (DeepSeek-V3 3.2.1: "two
     copies of the model parameters"); the first and last stage share a rank (no tied-wte group)."""
-    schedule = staticmethod(dualpipe)
+
+    def op_list(self, rank):
+        return dualpipe(self.P, self.M, rank)
 
     def stages_of(self, rank):
         return (rank, self.P - 1 - rank)
@@ -645,10 +711,12 @@ class DualPipe(SplitBackward):
         return sorted({p, self.P - 1 - p})
 
 
-class DualPipeV(SplitBackward):
+class DualPipeV(SplitBackward, MultiStage):
     """2P stages down and back up a V: rank r holds stages r and 2P-1-r, one copy of the weights; the turn
     of the V (stage P-1 to P) stays on rank P-1, and rank 0 holds the loss and both uses of the tied wte."""
-    schedule = staticmethod(dualpipev)
+
+    def op_list(self, rank):
+        return dualpipev(self.P, self.M, rank)
 
     def num_stages(self):
         return 2 * self.P
@@ -660,108 +728,98 @@ class DualPipeV(SplitBackward):
         return stage if stage < self.P else 2 * self.P - 1 - stage
 
 
+
+
 def simulate_paired(orders, cost):
     """DeepSeek's execution of DualPipe: a forward followed by a full backward of another stage (an "F&B"
     pair of the main phase) runs as one unit: it starts when both inputs are there, and both outputs leave
     when it ends, after F + B (no speed-up assumed from the overlap, only its ordering). This file's
-    executor runs them one after the other instead."""
-    def fb_pair(order, i):
-        op, nxt = order[i], order[i + 1] if i + 1 < len(order) else None
-        return 2 if op.kind == "F" and nxt is not None and nxt.kind == "B" and nxt.stage != op.stage else 1
-    return simulate(orders, cost, unit=fb_pair)
+    executor (and simulate) run them one after the other instead."""
+    P, S = len(orders), 1 + max(op.stage for order in orders for op in order)
+    dur = lambda op: cost.get((op.kind, op.stage), cost.get(op.kind))  # noqa: E731
+    made_by = lambda key: ("F", key[1] - 1, key[2]) if key[0] == "act" else ("B", key[1] + 1, key[2])  # noqa: E731
+    done, out, pos, free = {}, [[] for _ in range(P)], [0] * P, [0.0] * P
+    while any(pos[r] < len(orders[r]) for r in range(P)):
+        progressed = False
+        for r, order in enumerate(orders):
+            while pos[r] < len(order):
+                i = pos[r]
+                pair = order[i].kind == "F" and i + 1 < len(order) and order[i + 1].kind == "B" and \
+                    order[i + 1].stage != order[i].stage
+                ops = order[i:i + 1 + pair]
+                needs = [made_by(k) for k in (message_in(o, S) for o in ops) if k is not None]
+                if any(n not in done for n in needs):
+                    break
+                t = max([free[r]] + [done[n] for n in needs])
+                for o in ops:
+                    out[r].append((o, t, t + dur(o)))
+                    t += dur(o)
+                for o in ops:
+                    done[("B" if o.kind == "I" else o.kind, o.stage, o.mb)] = t
+                free[r], pos[r], progressed = t, pos[r] + len(ops), True
+        assert progressed, f"the op lists deadlock (P={P})"
+    return out
 
 
 # ---- Appendix ----
-# Measurement (timeline, byte meter, bubble report, pictures), the schedules' layouts as plain functions for
-# tests/ and benches, argument checks, CLI.
+# The measured bubble (naive vs 1F1B, or the schedule's), the pictures, the schedules' layouts as plain
+# functions for tests/ and benches, argument checks, the CLI.
+import json  # noqa: E402
 
-PIPELINES = {"gpipe": GPipe, "1f1b": Pipeline, "zbh1": ZBH1, "interleaved": Interleaved, "dualpipe": DualPipe,
-             "dualpipev": DualPipeV}
-SCHEDULE_NAMES = tuple(PIPELINES)
+SCHEDULE_NAMES = ("gpipe", "1f1b", "zbh1", "interleaved", "dualpipe", "dualpipev")
 
 
-class Timeline:
-    """Start and end of every op, in ms from reset(). CUDA events on the GPU, so timing adds no syncs."""
+def pipeline_class(schedule):
+    """The Pipeline subclass that runs --schedule (1f1b: the core's Pipeline)."""
+    if schedule == "gpipe":
+        return GPipe
+    if schedule == "zbh1":
+        return ZBH1
+    if schedule == "interleaved":
+        return Interleaved
+    if schedule == "dualpipe":
+        return DualPipe
+    if schedule == "dualpipev":
+        return DualPipeV
+    return Pipeline
 
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.reset()
 
-    def now(self):
-        if not self.cuda:
-            return time.perf_counter() * 1e3
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+def bubble_fraction(ranks):
+    """Mean over ranks of the idle share of the step, from [(op, start, end)] per rank."""
+    t0, t1 = min(a for r in ranks for _, a, _ in r), max(b for r in ranks for _, _, b in r)
+    return sum((t1 - t0) - sum(b - a for _, a, b in r) for r in ranks) / len(ranks) / (t1 - t0)
 
-    def reset(self):
-        self.ops, self.t0 = [], self.now()
 
-    @contextlib.contextmanager
-    def op(self, op):
-        start = self.now()
-        yield
-        self.ops.append((op, start, self.now()))
-
-    def spans(self):
-        if self.cuda:
+def measure_bubbles(pipe, x, y, loops):
+    """The batch once more through each (name, loop), every op timed (CUDA events), its gradients dropped:
+    prints the measured bubble and the micro-batches held per rank of each, in one line; returns
+    {name: every rank's {"spans": [(op, start ms, end ms)], "peak_held"}}."""
+    measured = {}
+    for name, loop in loops:
+        pipe.timing, pipe.peak_held = True, 0
+        if pipe.ctx.world > 1:
+            dist.barrier()  # the ranks start together, so their clocks line up
+        t0 = pipe.clock()
+        loop(x, y, 1.0)
+        pipe.model.zero_grad(set_to_none=True)
+        if pipe.ctx.device.type == "cuda":
             torch.cuda.synchronize()
-        ms = (lambda e: self.t0.elapsed_time(e)) if self.cuda else (lambda t: t - self.t0)
-        return [(op, ms(a), ms(b)) for op, a, b in self.ops]
-
-
-def build_pipeline(args, ctx, P, comm, cls=None):
-    """The Pipeline subclass of --schedule (or cls), instrumented: every op timed in pipe.timeline (run(...,
-    timed=False) skips it, align=True starts the step together on every rank), the peak number of
-    micro-batches held in pipe.peak_held, and the bytes every send and all-reduce moves counted in comm."""
-    pipe = (cls or PIPELINES[args.schedule])(args, ctx, P)
-    pipe.timeline, pipe.peak_held, pipe.timing = Timeline(ctx.device), 0, False
-    run, compute, issue, all_reduce = pipe.run, pipe.compute, pipe._issue, pipe._all_reduce
-
-    def timed_run(x, y, scale, orders=None, plan=None, align=False, timed=True):
-        pipe.timing = timed and orders is None  # evaluation is not drawn
-        if align and ctx.world > 1:
-            dist.barrier()  # start the drawn step together, so the ranks' clocks line up in the picture
-        if pipe.timing:
-            pipe.timeline.reset()
-        return run(x, y, scale, orders, plan)
-
-    def timed_compute(op, h, xs, ys):  # waiting for the input happened before: it is bubble, not work
-        with pipe.timeline.op(op) if pipe.timing else contextlib.nullcontext():
-            message = compute(op, h, xs, ys)
-        pipe.peak_held = max(pipe.peak_held, len(pipe.saved.keys() | getattr(pipe, "deferred", {}).keys()))
-        return message
-
-    def counted_issue(batch):
-        comm.send(sum(pipe.outbox[key].numel() * pipe.outbox[key].element_size() for kind, _, key in batch
-                      if kind == "send"))
-        issue(batch)
-
-    def counted_all_reduce(tensor, group=None):
-        comm.all_reduce(tensor.numel() * tensor.element_size(), dist.get_world_size(group))
-        all_reduce(tensor, group)
-    pipe.run, pipe.compute, pipe._issue, pipe._all_reduce = timed_run, timed_compute, counted_issue, counted_all_reduce
-    return pipe
-
-
-@torch.no_grad()
-def evaluate(pipe, loader, steps):
-    """Validation loss: forwards only, lower stages first (a topological order in every layout)."""
-    orders = [[Op("F", s, i) for s in sorted(pipe.stages_of(r)) for i in range(pipe.M) if pipe.owner(s, i) == r]
-              for r in range(pipe.P)]
-    plan = plan_messages(orders, pipe.owner)
-    steps = loader.eval_steps or steps  # --val-tokens: the loader knows how many batches
-    loader.load_state_dict({"shard": 0, "pos": 0})
-    total = torch.zeros((), device=pipe.ctx.device)
-    for _ in range(steps):
-        x, y = loader.next_batch()
-        total += pipe.run(x, y, 1.0 / pipe.M, orders, plan)
-    return pipe.global_loss(total / steps)
+        ms = (lambda t: t - t0) if pipe.ctx.device.type != "cuda" else t0.elapsed_time  # noqa: E731
+        mine = {"spans": [(tuple(op), ms(a), ms(b)) for op, a, b in pipe.spans], "peak_held": pipe.peak_held}
+        measured[name] = [mine] * pipe.ctx.world
+        if pipe.ctx.world > 1:
+            dist.all_gather_object(measured[name], mine)
+    pipe.timing = False
+    found = {n: (bubble_fraction([[(Op(*o), a, b) for o, a, b in g["spans"]] for g in r[:pipe.P]]),
+                 [g["peak_held"] for g in r[:pipe.P]]) for n, r in measured.items()}
+    print0("bubble measured on one batch: " + ", ".join(f"{n} {b:.3f}" for n, (b, _) in found.items()) +
+           " of the step | micro-batches held per rank: " + ", ".join(f"{n} {h}" for n, (_, h) in found.items()))
+    return measured
 
 
 def layout(schedule, P, M=1, V=2):
     """A Pipeline subclass's layout without a model (for tests/, benches and checks)."""
-    pipe = object.__new__(PIPELINES[schedule])
+    pipe = object.__new__(pipeline_class(schedule))
     pipe.P, pipe.M, pipe.V = P, M, V
     return pipe
 
@@ -772,20 +830,23 @@ def op_lists(schedule, P, M, V=2):
 
 
 def num_stages(schedule, P, V=2):
-    return layout(schedule, P, 1, V).num_stages()
+    pipe = layout(schedule, P, 1, V)
+    return pipe.num_stages() if isinstance(pipe, MultiStage) else P
 
 
 def stage_owner(schedule, P, M, stage, mb):
-    return layout(schedule, P, M).owner(stage, mb)
+    pipe = layout(schedule, P, M)
+    return pipe.owner(stage, mb) if isinstance(pipe, MultiStage) else stage
 
 
 def stages_of(schedule, P, rank, V=2):
-    return layout(schedule, P, 1, V).stages_of(rank)
+    pipe = layout(schedule, P, 1, V)
+    return pipe.stages_of(rank) if isinstance(pipe, MultiStage) else (rank,)
 
 
 def forward_only(schedule, P, M, rank, V=2):
-    pipe = layout(schedule, P, M, V)
-    return [Op("F", s, i) for s in sorted(pipe.stages_of(rank)) for i in range(M) if pipe.owner(s, i) == rank]
+    return [Op("F", s, i) for s in sorted(stages_of(schedule, P, rank, V)) for i in range(M)
+            if stage_owner(schedule, P, M, s, i) == rank]
 
 
 def plan_table(P=2, M=4):
@@ -801,12 +862,6 @@ def plan_table(P=2, M=4):
             cells.append(" | ".join(c for c in (msgs, op) if c))
         rows.append(f"{i if i < len(orders[0]) else 'end':>5}  " + "".join(f"{c:29s}" for c in cells).rstrip())
     return rows
-
-
-def bubble_fraction(ranks):
-    """Mean over ranks of the idle share of the makespan, from [(op, start, end)] per rank."""
-    t0, t1 = min(a for r in ranks for _, a, _ in r), max(b for r in ranks for _, _, b in r)
-    return sum((t1 - t0) - sum(b - a for _, a, b in r) for r in ranks) / len(ranks) / (t1 - t0)
 
 
 def bubble_stats(name, P, M, ranks, V=2):
@@ -825,7 +880,7 @@ def bubble_stats(name, P, M, ranks, V=2):
     per_stage = {k: sum(v) / len(v) for k, v in per_stage.items()}
     orders = op_lists(name, P, M, V)
     costs = f"F={cost['F']:.2f} B={cost['B']:.2f} W={cost['W']:.2f} ms"
-    if name in ("gpipe", "1f1b"):
+    if name in ("gpipe", "1f1b", "naive"):
         closed = f"(P-1)/(M+P-1) = {(P - 1) / (M + P - 1):.3f}"
     elif name == "interleaved":
         closed = f"(P-1)/(V*M+P-1) = {(P - 1) / (V * M + P - 1):.3f}"
@@ -844,27 +899,24 @@ def bubble_stats(name, P, M, ranks, V=2):
 
 
 def report(pipe, args):
-    """Gather the drawn step's op times to rank 0, print its bubble stats and the peak activations held,
-    draw OUT/schedule.png and write OUT/schedule.json."""
-    mine = {"spans": [(tuple(op), a, b) for op, a, b in pipe.timeline.spans()], "peak_held": pipe.peak_held}
-    gathered = [None] * pipe.ctx.world if pipe.ctx.master else None
-    if pipe.ctx.world > 1:
-        dist.gather_object(mine, gathered, dst=0)
-    else:
-        gathered = [mine]
+    """Times one batch under naive_step and 1F1B (or the schedule alone), prints both bubbles in one line,
+    then, on rank 0, the schedule's bubble stats, OUT/schedule.json and OUT/schedule.png."""
+    g = torch.Generator().manual_seed(args.seed)  # any tokens time the same
+    x, y = (torch.randint(pipe.cfg.vocab_size, (args.batch_size, args.seq_len), generator=g) for _ in range(2))
+    naive = [("naive", functools.partial(naive_step, pipe))] if type(pipe) is Pipeline else []
+    measured = measure_bubbles(pipe, x, y, naive + [(args.schedule, pipe.run)])
     if not pipe.ctx.master:
         return None
-    P, M, name = pipe.P, pipe.M, args.schedule
+    P, M, name, gathered = pipe.P, pipe.M, args.schedule, measured[args.schedule]
     ranks = [[(Op(*op), a, b) for op, a, b in g["spans"]] for g in gathered[:P]]  # replica 0
     st = bubble_stats(name, P, M, ranks, getattr(pipe, "V", 2))
     st.update(schedule=name, P=P, M=M, peak_held=[g["peak_held"] for g in gathered[:P]],
-              spans=[g["spans"] for g in gathered])
+              spans=[g["spans"] for g in gathered], naive=measured.get("naive"))
     paired = (f" | simulated as DeepSeek runs it (F&B pairs as one unit) {st['simulated_paired']:.3f}"
               if "simulated_paired" in st else "")
     print0(f"{name} P={P} M={M}: measured bubble {st['bubble']:.3f} of a {st['step_ms']:.1f} ms step | closed form "
            f"{st['closed']} | simulated with the measured op times, as this executor runs it {st['simulated']:.3f}"
            + paired)
-    print0(f"peak micro-batch activations held per rank: {st['peak_held']}")
     with open(os.path.join(args.out, "schedule.json"), "w") as f:
         json.dump(st, f)
     way_back = lambda op: op.stage >= P or (name == "dualpipe" and op.mb >= M // 2)  # noqa: E731
@@ -874,8 +926,8 @@ def report(pipe, args):
 
 
 def ascii_timeline(schedule, P, M, V=2):
-    """The docstring's timelines: simulate() at F=1, B=2, I=W=1, one character per time unit, the op's kind
-    (lower case for stages on the way back up DualPipeV's V), '.' idle."""
+    """The timelines beside DualPipe: simulate() at F=1, B=2, I=W=1, one character per time unit, the op's
+    kind (lower case for stages on the way back up DualPipeV's V), '.' idle."""
     spans = simulate(op_lists(schedule, P, M, V), {"F": 1, "B": 2, "I": 1, "W": 1})
     end = int(max(b for r in spans for _, _, b in r))
     rows = []
@@ -906,7 +958,7 @@ def draw_schedule(ranks, path, title, pale):
             ax.text((a + b) / 2 - t0, row, str(op.mb), ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))])
     ax.invert_yaxis()
-    ax.set_xlabel("ms since the step started (numbers: micro-batch)")
+    ax.set_xlabel("ms since the step started (numbers: micro-batch; white: the bubble, a rank idle)")
     ax.set_title(title)
     ax.legend(handles=[Patch(color=c, label=names[k]) for k, c in colours.items()], loc="upper left",
               bbox_to_anchor=(1.005, 1.0), fontsize=8)
@@ -915,9 +967,8 @@ def draw_schedule(ranks, path, title, pale):
     plt.close(fig)
 
 
-
 def check_args(args, world):
-    """Returns P, the pipeline depth; a bad flag is one line naming it (gpt2.fail)."""
+    """Returns P, the pipeline depth; a bad flag is one line naming it (gpt2.fail), before any collective."""
     gpt2.check_args(args)
     for flag in ("--micro-batches", "--dp"):
         gpt2.check_range(getattr(args, flag[2:].replace("-", "_")), flag, 1, todo="give a positive integer")
@@ -927,6 +978,8 @@ def check_args(args, world):
     V = args.virtual_stages
     if V < 1:
         gpt2.fail(f"--virtual-stages {V} is not a positive number of model chunks", "--virtual-stages", "give V >= 1")
+    if args.naive and args.schedule != "1f1b":
+        gpt2.fail(f"--naive is its own schedule, not --schedule {args.schedule}", "--naive", "drop one of the two")
     S = num_stages(args.schedule, P, V)
     if args.batch_size % M:
         gpt2.fail(f"--batch-size {args.batch_size} is not divisible by --micro-batches {M}", "--micro-batches",
@@ -953,15 +1006,26 @@ def check_args(args, world):
     return P
 
 
-def make_parser():
-    p = gpt2.make_parser("Train GPT-2 with pipeline parallelism (GPipe, 1F1B, ZB-H1, interleaved 1F1B, DualPipe, "
-                         "DualPipeV).")
+def make_cli_parser():
+    """The core's parser and the flags of the schedules beyond it."""
+    p = make_parser()
+    p.description = ("Train GPT-2 with pipeline parallelism (1F1B; --naive; beyond the core: GPipe, ZB-H1, "
+                     "interleaved 1F1B, DualPipe, DualPipeV).")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES, help="pipeline schedule")
-    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches M that --batch-size is split into")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel pipeline replicas D (world = P * D)")
     p.add_argument("--virtual-stages", type=int, default=2, help="interleaved: model chunks V per rank")
     return p
 
 
+def cli(argv=None):
+    """The full CLI: the core's flags and --schedule, checked in one line each, the schedule's class into the
+    core's loop, then the measured bubbles and the schedule's picture."""
+    args = make_cli_parser().parse_args(argv)
+    P = check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    pipe = train(args, P, pipeline_class(args.schedule))
+    report(pipe, args)
+    print0(f"wrote {args.out}/metrics.jsonl, loss.png, schedule.json and schedule.png")
+    return pipe
+
+
 if __name__ == "__main__":
-    gpt2.run_main(train)
+    gpt2.run_main(cli)

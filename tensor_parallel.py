@@ -1,39 +1,39 @@
 """
-tensor_parallel.py - Megatron-LM tensor parallelism for GPT-2 from torch.distributed primitives: column-
-and row-parallel matmuls, a vocab-parallel embedding and cross-entropy, a 2-D grid of TP x DP ranks.
+tensor_parallel.py - Megatron-LM tensor parallelism for GPT-2 from torch.distributed primitives: column- and
+row-parallel matmuls, a vocab-parallel embedding and loss, a grid of TP x DP ranks (rank = dp_rank * t + tp_rank).
 
-A block's two matmul pairs can be cut so that ranks never exchange weights. Split the first matmul of each
-pair by output features (attention heads, MLP hidden units) and the second by input features: each rank
-then holds a partial sum of the block's output, and one all-reduce (g) finishes it; in backward the same
-happens to the input's gradient (f). The tied embedding / LM head is cut along the vocabulary: no rank
-holds a full row of logits; the softmax is assembled from all-reduced maxima and sums.
+Cut a block's first matmul of each pair by output features (heads, MLP units) and the second by input
+features: each rank then holds a partial sum of the block's output, one all-reduce (g) finishes it, and in
+backward the same happens to the input's gradient (f). The tied embedding / head is cut along the vocabulary.
 
-    grid: rank = dp_rank * TP + tp_rank; a TP group shares a node (NVLink), activations move inside it;
-          a DP group holds the same shards for other batch rows: gradients move once a step
-    one block on TP rank r of t (x, h: (B, T, E), whole on every rank of the TP group; H heads):
-        h = f(ln_1(x))                        f: forward identity, backward all-reduce of dh
-        q, k, v = h @ [Wq_r; Wk_r; Wv_r]^T    column-parallel: heads r*H/t .. (r+1)*H/t-1, nothing moves
-        x = x + g(attention(q, k, v) @ Wo_r^T) + bo   row-parallel partial sum; g: forward all-reduce
-        x = x + g(gelu(f(ln_2(x)) @ Wfc_r^T) @ Wpr_r^T) + bpr    the MLP: 4E/t hidden units on rank r
-    vocab (padded to V, tied): rank r holds wte rows r*V/t .. (r+1)*V/t-1; embedding = g(my rows, zeros
-        elsewhere); loss from (B, T, V/t) logits: all-reduce row maxima, then [sum of exp, target logit]
+    one block on TP rank r of t (x: (B, T, E), whole on every rank of the TP group):
+        h = f(ln_1(x))                      f: forward identity     | backward all-reduce of dh over TP
+        y = attention(h @ [Wq Wk Wv]_r^T)    column-parallel: rank r's H/t heads, nothing moves
+        x = x + g(y @ Wo_r^T) + bo          g: forward all-reduce   | backward identity; the bias after g
+        x = x + g(gelu(f(ln_2(x)) @ Wfc_r^T) @ Wpr_r^T) + bpr       the MLP: rank r's 4E/t hidden units
+    vocab: rank r holds wte rows r*V/t ..; embedding = g(my rows, zeros elsewhere); the (B, T, V/t) logits
+        give the loss from an all-reduced row max (MAX), then [sum of exp, target logit] (SUM)
 
-Closed forms per rank (ring; N = B*T, L layers, s bytes per activation value, P_r params on the rank):
-    sent per micro-step: (4L + 1) all-reduces of N*E*s bytes + the embedding's (fp32) + the loss's 3N fp32,
-        an all-reduce of S bytes sending 2(t-1)/t * S; per step the DP all-reduce of the 4*P_r grad bytes
-    params + grads + AdamW: 16 P_r bytes, P_r = L(12E^2 + 7E)/t + 6LE + V*E/t + (block_size + 2)E
-    activations per block, fp32: 4N*[E(4 + 12/t) + 4 + H/t] bytes (Korthikanti et al. 4.1, see appendix)
+Who sums what (t TP ranks hold one model; d DP ranks hold the same shard for other rows):
+    what                                   | over | how                 | where
+    a column matmul's input gradient dX    | TP   | sum (f backward)    | CopyToTP.backward
+    a row matmul's partial outputs         | TP   | sum (g forward)     | ReduceFromTP.forward
+    row-parallel biases bo, bpr            | -    | added ONCE, after g | ParallelBlock.forward
+    embedding rows (zeros off the shard)   | TP   | sum (g)             | vocab_parallel_embedding
+    the loss's row max / [sum exp, target] | TP   | max / sum           | VocabParallelCrossEntropy
+    every gradient                         | DP   | mean (sum / d)      | TensorParallelGPT.sync_grads
+    clip norm^2 of sharded grads           | TP   | sum of squares      | clip_grad_norm
+    clip norm^2 of replicated grads (LN,   | TP   | counted once: /t    | clip_grad_norm (after the DP mean:
+        row biases, wpe: equal on TP ranks)|      | before the sum      |   nothing to add over DP)
+    the printed loss                       | DP   | mean                | train
+Sequence parallelism (beyond the core) also sums the replicated grads over TP: each rank saw T/t tokens.
 
-Launch: torchrun --nproc_per_node=2 tensor_parallel.py --tp 2 --out out/tp      (CPU, tiny model)
-        torchrun --nproc_per_node=4 tensor_parallel.py --tp 2 --batch-size 4 --out out/tp_dp  (TP=2 x DP=2)
-References: Shoeybi et al. 2019, Megatron-LM, section 3, figures 3-4 (f, g, heads, vocab-parallel embedding
-and loss); Korthikanti et al. 2022, Reducing Activation Recomputation, sections 4.1 and 4.2.2; Narayanan
-et al. 2021, Efficient Large-Scale LM Training, section 2.3 (TP x DP); NVIDIA/Megatron-LM tensor_parallel.
-Uses from gpt2.py: GPT/Block (cut in place), build_model, make_loaders, the AdamW recipe, setup, Metrics.
+Read first: CopyToTP and ReduceFromTP (f, g), ParallelBlock.forward, VocabParallelCrossEntropy, train.
+Run: torchrun --nproc_per_node=2 tensor_parallel.py --tp 2 --out out/tp    (CPU, tiny; draws OUT/timeline.png)
+Shoeybi et al. 2019 (Megatron-LM) 3, fig. 3-4; Korthikanti et al. 2022 4.2.2 (SP); Narayanan et al. 2021 2.3 (TP x DP).
 """
-import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -45,75 +45,74 @@ import gpt2
 
 @dataclass
 class Grid:
-    """Where this rank sits, and how f, g and a column-parallel matmul communicate (subclassed below the banner)."""
+    """Where this rank sits; f and g; the bytes sent (meter) and the step drawn (timeline, set by train)."""
     tp: int
     dp: int
     tp_rank: int
     dp_rank: int
     tp_group: object
     dp_group: object
-    meter: gpt2.CommMeter = field(default_factory=gpt2.CommMeter)  # the appendix counts bytes into it
+    meter: gpt2.CommMeter = field(default_factory=gpt2.CommMeter)
+    timeline: gpt2.Timeline = None
+    def f(self, x, label):  # into a column-parallel matmul: forward identity, backward all-reduce
+        return CopyToTP.apply(x, self, label)
+    def g(self, x, label):  # out of a row-parallel matmul: forward all-reduce, backward identity
+        return ReduceFromTP.apply(x, self, label)
 
-    def f(self, x):  # into a column-parallel matmul: forward identity, backward all-reduce
-        return CopyToTP.apply(x, self)
-    def g(self, x):  # out of a row-parallel matmul: forward all-reduce, backward identity
-        return ReduceFromTP.apply(x, self)
-    def column_linear(self, x, weight, bias):  # the local matmul of a column-parallel layer
-        return F.linear(x, weight, bias)
-    def positions(self, T, device):  # the token positions this rank's activations hold
-        return torch.arange(T, device=device)
-    def sum_replicated_grads(self, params):  # every TP rank saw every token: nothing to add
-        pass
-
-def make_grid(world, rank, tp):
+def make_grid(world, rank, tp, Grid=Grid):
     """rank = dp_rank * tp + tp_rank. Every rank must create every group, in the same order."""
     dp, tp_group, dp_group = world // tp, None, None
-    if world > 1:  # TP groups: tp consecutive ranks; DP groups: ranks tp apart
+    if world > 1:  # TP groups: tp consecutive ranks (one node); DP groups: ranks tp apart
         tp_group = [dist.new_group([d * tp + i for i in range(tp)]) for d in range(dp)][rank // tp]
         dp_group = [dist.new_group([d * tp + i for d in range(dp)]) for i in range(tp)][rank % tp]
     return Grid(tp, dp, rank % tp, rank // tp, tp_group, dp_group)
 
-def all_reduce(x, grid, group="tp", op=dist.ReduceOp.SUM, async_op=False):
-    """In place over the TP (or DP) group; returns x, or with async_op the work handle (None when alone)."""
+def all_reduce(x, grid, label, group="tp", op=dist.ReduceOp.SUM):
+    """In place over the TP (or DP) group. Counts the bytes a ring sends, 2(n-1)/n of x, and draws the compute
+    since the previous collective (named after what it produced) and this all-reduce on the timeline."""
     n, g = (grid.tp, grid.tp_group) if group == "tp" else (grid.dp, grid.dp_group)
-    work = dist.all_reduce(x, op=op, group=g, async_op=async_op) if n > 1 else None
-    return work if async_op else x
+    if n == 1:
+        return x
+    grid.meter.all_reduce(x.numel() * x.element_size(), n)
+    tl = grid.timeline
+    if tl is not None and tl.on:
+        tl.comm_span(label.rsplit(" ", 1)[0], next((s[3] for s in reversed(tl.spans) if s[3]), tl.t0), "compute")
+        t0 = tl.now()
+    dist.all_reduce(x, op=op, group=g)
+    if tl is not None and tl.on:
+        tl.comm_span(label, t0)
+    return x
 
 # The conjugate operators (Megatron-LM figure 3): f before a column-parallel matmul, g after a row-parallel one.
 class CopyToTP(torch.autograd.Function):
     """f: every rank needs the whole input; its gradient is the sum of every rank's contribution."""
     @staticmethod
-    def forward(ctx, x, grid):
-        ctx.grid = grid
+    def forward(ctx, x, grid, label):
+        ctx.grid, ctx.label = grid, label
         return x.view_as(x)
-
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.contiguous(), ctx.grid), None
+        return all_reduce(grad.contiguous(), ctx.grid, ctx.label), None, None
 
 class ReduceFromTP(torch.autograd.Function):
     """g: sum the partial outputs; each rank's partial gets the whole (replicated) gradient."""
     @staticmethod
-    def forward(ctx, x, grid):
+    def forward(ctx, x, grid, label):
         ctx.mark_dirty(x)  # summed in place: x is a fresh matmul output nobody else reads
-        return all_reduce(x, grid)
-
+        return all_reduce(x, grid, label)
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
-def enter_tp(x, grid):
-    """f, into a column-parallel matmul (its only consumer). Under autocast the matmul would cast to bf16
-    anyway: cast first, so that f's communication moves bf16."""
-    if grid.tp == 1:
-        return x
-    if torch.is_autocast_enabled(x.device.type):
+def enter_tp(x, grid, label="f"):
+    """f, into a column-parallel matmul. Under autocast the matmul casts to bf16: cast first, f moves bf16."""
+    if grid.tp > 1 and torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    return grid.f(x)
+    return x if grid.tp == 1 else grid.f(x, label)
 
-def exit_tp(x, grid):
+def exit_tp(x, grid, label="g"):
     """g, out of a row-parallel matmul (or the vocab-parallel embedding): sum the partial results."""
-    return x if grid.tp == 1 else grid.g(x)
+    return x if grid.tp == 1 else grid.g(x, label)
 
 # c_attn's weight (3E, E) packs q, k, v; each is cut on its own, so rank r keeps its heads of all three:
 #     full    [ q_0 q_1 | k_0 k_1 | v_0 v_1 ]   (t = 2; q_r: the rows of heads r*H/t .. (r+1)*H/t-1)
@@ -121,7 +120,7 @@ def exit_tp(x, grid):
 def shard(w, grid, dim=0, pieces=1):
     """This rank's 1/t of dimension `dim`, each of `pieces` packed blocks cut separately (drawing above)."""
     w = w.movedim(dim, 0)
-    blocks = w.reshape(pieces, w.size(0) // pieces, *w.shape[1:])
+    blocks = w.reshape(pieces, w.size(0) // pieces, *w.shape[1:])  # (pieces, rows per piece, ...)
     n = blocks.size(1) // grid.tp
     return blocks[:, grid.tp_rank * n:(grid.tp_rank + 1) * n].reshape(-1, *w.shape[1:]).movedim(0, dim).clone()
 
@@ -140,69 +139,183 @@ class ColumnParallelLinear(nn.Module):
         self.grid = grid
         self.weight = split_param(linear.weight, grid, 0, pieces)  # (out/t, in)
         self.bias = split_param(linear.bias, grid, 0, pieces)  # (out/t,) or None
-
     def forward(self, x):
-        return self.grid.column_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 def row_parallel(linear: nn.Linear, grid):
-    """Y = sum_r X_r W_r^T + b: rank r multiplies its input features into a partial sum (no bias: it is added
-    once, after exit_tp). Returns the local nn.Linear and the replicated bias."""
+    """Y = sum_r X_r W_r^T + b: rank r's input features give a partial sum; returns it and b (added after g)."""
     out = nn.Linear(linear.in_features // grid.tp, linear.out_features, bias=False, device="meta")
     out.weight = split_param(linear.weight, grid, dim=1)  # (out, in/t)
     return out, None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
 class ParallelBlock(nn.Module):
-    """gpt2.Block with its four matmuls cut. gpt2's own attention and MLP modules run on the local slices
-    (their head count follows the width); the communication happens around them, outside --compile's reach."""
-    def __init__(self, block: gpt2.Block, grid: Grid):
+    """gpt2.Block with its four matmuls cut; gpt2's attention and MLP run on the slices (H/t heads, 4E/t units)."""
+    def __init__(self, block: gpt2.Block, grid: Grid, k=0):
         super().__init__()
-        self.grid = grid
+        self.grid, self.k = grid, k
         self.ln_1, self.attn, self.ln_2, self.mlp = block.ln_1, block.attn, block.ln_2, block.mlp
         self.attn.c_attn = ColumnParallelLinear(self.attn.c_attn, grid, pieces=3)
         self.attn.c_proj, self.attn_bias = row_parallel(self.attn.c_proj, grid)
         self.mlp.c_fc = ColumnParallelLinear(self.mlp.c_fc, grid)
         self.mlp.c_proj, self.mlp_bias = row_parallel(self.mlp.c_proj, grid)
-
     def forward(self, x):  # x (B, T, E)
-        h = enter_tp(self.ln_1(x), self.grid)  # f
+        f, g = f"block {self.k} f", f"block {self.k} g"
+        h = enter_tp(self.ln_1(x), self.grid, f)
         y = self.attn(h)  # c_attn (B, T, 3E/t) -> attention on H/t heads -> c_proj: a partial (B, T, E)
-        x = x + (exit_tp(y, self.grid) + self.attn_bias)  # g, then the bias once
-        h = enter_tp(self.ln_2(x), self.grid)  # f
+        x = x + (exit_tp(y, self.grid, g) + self.attn_bias)  # g, then the bias once
+        h = enter_tp(self.ln_2(x), self.grid, f)
         y = self.mlp(h)  # c_fc (B, T, 4E/t) -> gelu -> c_proj: a partial (B, T, E)
-        return x + (exit_tp(y, self.grid) + self.mlp_bias)  # g
+        return x + (exit_tp(y, self.grid, g) + self.mlp_bias)
 
 def vocab_parallel_embedding(idx, weight, grid):
-    """Rank r looks up the ids it owns and writes zeros for the others; exit_tp's sum then holds each
-    token's row exactly once (Megatron-LM section 3, the input embedding)."""
+    """Rank r looks up the ids it owns, zeros for the others: g's sum holds each token's row once."""
     lo, hi = grid.tp_rank * weight.size(0), (grid.tp_rank + 1) * weight.size(0)  # weight (V/t, E)
     foreign = (idx < lo) | (idx >= hi)  # (B, T)
     x = F.embedding((idx - lo).masked_fill(foreign, 0), weight)  # (B, T, E)
-    return exit_tp(x.masked_fill(foreign.unsqueeze(-1), 0.0), grid)
+    return exit_tp(x.masked_fill(foreign.unsqueeze(-1), 0.0), grid, "embedding g")
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy from (N, V/t) logit shards (rank r holds columns lo .. lo + V/t - 1). Only (N,)-sized
-    statistics cross ranks: the row max, then [sum of exp, target logit] in one all-reduce."""
+    """Mean cross-entropy from (N, V/t) logit shards (columns lo ..): only (N,)-sized statistics cross ranks."""
     @staticmethod
     def forward(ctx, logits, targets, grid, lo, vocab_size):
         cols = torch.arange(lo, lo + logits.size(1), device=logits.device)
         logits = logits.masked_fill(cols >= vocab_size, float("-inf"))  # the padding ids, as gpt2.GPT.logits
-        row_max = all_reduce(logits.max(dim=1).values, grid, op=dist.ReduceOp.MAX)  # (N,)
-        exp = (logits - row_max.unsqueeze(1)).exp_()  # (N, V/t)
+        row_max = all_reduce(logits.max(dim=1).values, grid, "loss max", op=dist.ReduceOp.MAX)  # (N,)
+        exp = (logits - row_max.unsqueeze(1)).exp_()  # (N, V/t): shifted, so exp never overflows
         mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is on this rank
-        local_t = (targets - lo).masked_fill(~mine, 0)
-        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
-        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid)  # (2, N)
+        local_t = (targets - lo).masked_fill(~mine, 0)  # (N,)
+        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)  # (N,)
+        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid, "loss sums")  # (2, N)
         loss = (stats[0].log() + row_max - stats[1]).mean()
         ctx.save_for_backward(exp.div_(stats[0].unsqueeze(1)), mine, local_t)  # exp becomes the softmax
         return loss
-
     @staticmethod
-    def backward(ctx, grad):  # local: softmax - one_hot(target), the one hot on the target's owner only
+    def backward(ctx, grad):  # softmax - one_hot(target), the one hot on the target's owner only
         softmax, mine, local_t = ctx.saved_tensors
-        rows = torch.arange(softmax.size(0), device=softmax.device)
-        grad_logits = softmax.clone()
-        grad_logits[rows[mine], local_t[mine]] -= 1.0
+        one_hot = mine.to(softmax.dtype).unsqueeze(1)  # (N, 1): 1 where this rank holds the target, else 0
+        grad_logits = softmax.scatter_add(1, local_t.unsqueeze(1), -one_hot)  # no boolean index: no host sync
         return grad_logits.mul_(grad / softmax.size(0)), None, None, None, None
+
+class TensorParallelGPT(nn.Module):
+    """This rank's shard of gpt2.GPT: wte's (V/t, E) rows, the matmul slices; LayerNorms, biases, wpe replicated."""
+    def __init__(self, full: gpt2.GPT, grid: Grid):
+        super().__init__()
+        self.config, self.grid = full.config, grid
+        self.activation_checkpointing = full.activation_checkpointing
+        self.wte = split_param(full.wte.weight, grid)  # (V/t, E): the embedding AND the head
+        self.wpe, self.ln_f = full.wpe, full.ln_f
+        self.h = nn.ModuleList(ParallelBlock(b, grid, k) for k, b in enumerate(full.h))
+    def embed(self, idx):  # idx (B, T) -> (B, T, E)
+        x = vocab_parallel_embedding(idx, self.wte, self.grid)
+        return x + self.wpe(torch.arange(x.size(1), device=idx.device))
+    def forward_blocks(self, x):
+        for block in self.h:  # recomputation (activation checkpointing) repeats the block's collectives
+            x = checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing and self.training \
+                else block(x)
+        return x
+    def forward(self, idx, targets):  # the mean loss, the same number on every TP rank
+        return self.head_loss(self.forward_blocks(self.embed(idx)), targets)
+    def head(self, h):  # the tied head, column-parallel over the vocabulary: (B, T, E) -> (B, T, V/t)
+        return F.linear(h, self.wte)
+    def head_loss(self, x, targets):  # the (B, T, V) logits are never formed
+        logits = self.head(enter_tp(self.ln_f(x), self.grid, "head f")).float()  # (B, T, V/t)
+        lo = self.grid.tp_rank * logits.size(-1)  # (B*T, V/t) below: rank r's columns lo .. lo + V/t - 1
+        return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self.grid, lo,
+                                               self.config.vocab_size)
+    def sync_grads(self):
+        """f and g made every grad right in the TP group; average over DP in one flat buffer, copied back."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if self.grid.dp > 1:
+            flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]).div_(self.grid.dp), self.grid, "grads dp",
+                              group="dp")
+            torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+def clip_grad_norm(model, grid, max_norm):
+    """The GLOBAL norm: sharded grads add their squares over TP; replicated ones are equal on every TP rank,
+    so they are divided by t before the one all-reduce. Then scale as torch.nn.utils.clip_grad_norm_ does."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sq = torch.stack([torch.linalg.vector_norm(p.grad.float()) ** 2 / (1 if hasattr(p, "tp_split") else grid.tp)
+                      for p in model.parameters() if p.grad is not None]).sum()
+    norm = all_reduce(sq, grid, "clip norm").sqrt()
+    torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))  # a tensor: no host sync
+    return norm
+
+def train(args, Grid=Grid, Model=TensorParallelGPT):
+    """gpt2.py train's loop on this rank's shard, then the DP gradient mean. Returns the model and metrics."""
+    ctx = gpt2.setup(args)
+    grid = make_grid(ctx.world, ctx.rank, args.tp, Grid)
+    grid.timeline = timeline = gpt2.Timeline(ctx, record_step=1)  # step 0 warms up
+    full = gpt2.build_model(args)
+    cfg, n_params = full.config, full.num_params()
+    model = Model(full.to(ctx.device), grid)  # cut in place: what is not ours is freed with `full`
+    del full
+    train_loader, val_loader = gpt2.make_loaders(args, grid.dp_rank, grid.dp, vocab_size=cfg.vocab_size)
+    opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
+    metrics = gpt2.Metrics(args, ctx, cfg, n_params, args.batch_size * args.seq_len * args.grad_accum * grid.dp)
+    profiler = gpt2.Profiler(args, ctx)
+    gpt2.print0(f"model {args.model}: {n_params / 1e6:.2f}M non-embedding params | TP={grid.tp} x DP={grid.dp}")
+    for b in model.h if args.compile else []:  # the local math only: the collectives sit between them
+        b.attn.compile()
+        b.mlp.compile()
+    def loss_fn(x, y):
+        with ctx.autocast():
+            return model(x, y)
+
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        timeline.start_step(step)
+        lr = gpt2.set_lr(opt, step, args)
+        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
+        model.sync_grads()
+        if args.grad_clip > 0:
+            clip_grad_norm(model, grid, args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_val = all_reduce(loss_sum, grid, "loss dp", group="dp").item() / grid.dp  # TP ranks hold the same loss
+        timeline.stop()
+        gpt2.check_finite(loss_val, step)
+        metrics.log_step(step, loss_val, lr, comm_mb=grid.meter.take_mb())
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            model.eval()  # gpt2.evaluate averages over all ranks; TP ranks hold equal losses: the DP mean
+            metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
+            model.train()
+            grid.meter.take_mb()
+    gpt2.check_finite_weights(list(model.parameters()), args.steps - 1)  # every rank: the last update too
+    timeline.save(os.path.join(args.out, "timeline.png"), title="one TP step: compute (upper), f and g (lower bars)")
+    metrics.plot()
+    gpt2.print0(f"saved {args.out}/loss.png and timeline.png")
+    return model, metrics
+
+def make_parser():
+    p = gpt2.make_parser("Megatron tensor parallelism (x data parallelism) for GPT-2.")
+    p.add_argument("--tp", type=int, help="tensor-parallel ranks per model (default: all); DP = world / tp")
+    return p
+
+def main(argv=None):
+    args = make_parser().parse_args(argv)
+    args.tp = args.tp or int(os.environ.get("WORLD_SIZE", 1))  # the appendix's cli checks the sizes
+    train(args)
+
+# ---- Beyond the core ----
+
+
+# Each extension below is a subclass (Grid, ColumnParallelLinear, TensorParallelGPT) that the appendix's cli
+# picks with plain `if`s; the core knows none of them.
+
+
+class RowParallelLinear(nn.Module):
+    """nn.Linear cut by input features, g included, for models other than GPT (README, "Using the pieces"):
+    the input (..., in/t) is a ColumnParallelLinear's output (after any element-wise function)."""
+    def __init__(self, linear: nn.Linear, grid, label="g"):
+        super().__init__()
+        self.grid, self.label = grid, label
+        self.local, self.bias = row_parallel(linear, grid)
+
+    def forward(self, x):
+        y = exit_tp(self.local(x), self.grid, self.label)  # (..., out): summed over the TP group
+        return y if self.bias is None else y + self.bias
+
 
 def vocab_parallel_cross_entropy(logits, targets, grid, vocab_size=None):
     """Mean loss from this rank's (..., V/t) slice (columns r*V/t ..) of any LM head's logits; columns at or
@@ -211,163 +324,17 @@ def vocab_parallel_cross_entropy(logits, targets, grid, vocab_size=None):
     return VocabParallelCrossEntropy.apply(logits.float().reshape(-1, n), targets.reshape(-1), grid,
                                            grid.tp_rank * n, vocab_size or grid.tp * n)
 
-class TensorParallelGPT(nn.Module):
-    """This rank's shard of gpt2.GPT: one tied (V/t, E) slice of wte, the blocks' matmul slices, and
-    replicated LayerNorms, row-parallel biases and wpe."""
-    def __init__(self, full: gpt2.GPT, grid: Grid):
-        super().__init__()
-        self.config, self.grid = full.config, grid
-        self.activation_checkpointing = full.activation_checkpointing
-        self.wte = split_param(full.wte.weight, grid)  # the embedding AND the head
-        self.wpe, self.ln_f = full.wpe, full.ln_f
-        self.h = nn.ModuleList(ParallelBlock(b, grid) for b in full.h)
 
-    def embed(self, idx):
-        x = vocab_parallel_embedding(idx, self.wte, self.grid)
-        return x + self.wpe(self.grid.positions(x.size(1), idx.device))
-
-    def forward_blocks(self, x):
-        for block in self.h:  # recomputation (activation checkpointing) repeats the block's collectives
-            x = checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing and self.training else block(x)
-        return x
-
-    def forward(self, idx, targets):  # the mean loss, the same number on every TP rank
-        return self.head_loss(self.forward_blocks(self.embed(idx)), targets)
-
-    def head_loss(self, x, targets):  # vocab-parallel head and loss: the (B, T, V) logits are never formed
-        logits = self.grid.column_linear(enter_tp(self.ln_f(x), self.grid), self.wte, None)  # (B, T, V/t)
-        return vocab_parallel_cross_entropy(logits, targets, self.grid, self.config.vocab_size)
-
-def sync_grads(model, grid):
-    """Within a TP group f and g already made every grad right; average them over the DP group."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    grid.sum_replicated_grads([p for p in model.parameters() if p.grad is not None and not hasattr(p, "tp_split")])
-    if grid.dp > 1:  # one flat buffer, one collective (not one per tensor), then copied back
-        flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]).div_(grid.dp), grid, "dp")
-        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
-
-def train(args):
-    """gpt2.py train's loop on this rank's shard, then the grid's gradient sync; model.pt in gpt2's layout."""
-    own_group = not dist.is_initialized()  # a caller (tests) may have started the process group
-    ctx = gpt2.setup(args)
-    grid = grid_from_args(args, ctx)  # the appendix: plain TP, or an extension's Grid subclass
-    full = gpt2.build_model(args)
-    cfg, n_params = full.config, full.num_params()
-    validate(args, cfg, ctx.world)  # --init-from brings its own config
-    model = TensorParallelGPT(full.to(ctx.device), grid)  # cut in place: what is not ours is freed with `full`
-    del full
-    train_loader, val_loader = gpt2.make_loaders(args, grid.dp_rank, grid.dp, vocab_size=cfg.vocab_size)
-    opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
-    metrics = gpt2.Metrics(args, ctx, cfg, n_params, args.batch_size * args.seq_len * args.grad_accum * grid.dp)
-    profiler = gpt2.Profiler(args, ctx)
-    expected_mb = report_start(args, ctx, model, n_params)  # sizes, activations, closed forms (appendix)
-    if args.compile:  # the local math only: the collectives sit between the compiled pieces
-        for b in model.h:
-            b.attn.compile()
-            b.mlp.compile()
-
-    def loss_fn(x, y):
-        with ctx.autocast():
-            return model(x, y)
-
-    for step in range(args.steps):
-        profiler.step(step)
-        metrics.start_step()
-        lr = gpt2.set_lr(opt, step, args)
-        loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
-        sync_grads(model, grid)
-        if args.grad_clip > 0:
-            clip_grad_norm(model, grid, args.grad_clip)  # the global norm over shards (appendix)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_val = all_reduce(loss_sum, grid, group="dp").item() / grid.dp  # every TP rank holds the same loss
-        gpt2.check_finite(loss_val, step)
-        report_step(metrics, step, loss_val, lr, grid, expected_mb)
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            model.eval()  # gpt2.evaluate averages over all ranks; TP ranks hold equal losses: the DP mean
-            metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
-            model.train()
-            grid.meter.take_mb()
-    gpt2.check_finite_weights(list(model.parameters()), args.steps - 1)  # every rank: the last update too
-    sd = full_state_dict(model)  # gathered over TP (appendix)
-    if ctx.master:
-        gpt2.save_model(os.path.join(args.out, "model.pt"), cfg, sd)
-    metrics.plot()
-    gpt2.print0(f"saved {args.out}/model.pt (gathered, gpt2 layout) and {args.out}/loss.png")
-    if own_group and dist.is_initialized():
-        dist.destroy_process_group()
-
-# ---- Beyond the core ----
-# RowParallelLinear: row_parallel and g packaged as one nn.Module, for models other than GPT (the tests' toy
-# model; README, "Using the pieces in your own code").
+def wrap_columns(blocks, Column):
+    """Each ParallelBlock's column matmuls (c_attn, c_fc) as Column, an explicit wrapper over the same parameters."""
+    for b in blocks:
+        b.attn.c_attn = Column(b.attn.c_attn, f"block {b.k} f")
+        b.mlp.c_fc = Column(b.mlp.c_fc, f"block {b.k} f")
 
 
-class RowParallelLinear(nn.Module):
-    """nn.Linear cut by input features, g included: the input (..., in/t) is a ColumnParallelLinear's
-    output (after any element-wise function); the output is whole. GPT's blocks call row_parallel."""
-    def __init__(self, linear: nn.Linear, grid):
-        super().__init__()
-        self.grid = grid
-        self.local, self.bias = row_parallel(linear, grid)
-
-    def forward(self, x):
-        y = exit_tp(self.local(x), self.grid)  # (..., out): summed over the TP group
-        return y if self.bias is None else y + self.bias
-
-
-# Sequence parallelism (--sequence-parallel; Korthikanti et al. 2022 section 4.2.2): every all-reduce becomes a
-# reduce-scatter + all-gather along T (the same bytes), so the LayerNorm/residual stretch between g and f is
-# cut along the sequence and its activations shrink by t too: a Grid subclass with other f, g and matmul.
-
-
-def gather_sequence(x, grid, async_op=False):
-    """(B, T/t, ...) -> (B, T, ...): rank r's tokens land at positions r*T/t ... The gather stacks along
-    a new leading dim; Megatron keeps activations (T, B, E) so that this is copy-free, gpt2 is (B, T, E).
-    With async_op it returns a function that waits for the gather and then returns the (B, T, ...) tensor."""
-    x = x.contiguous()
-    out = torch.empty((grid.tp * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = gpt2.all_gather_single(out, x, group=grid.tp_group, async_op=async_op)  # (t*B, T/t, ...)
-
-    def arranged():
-        if work is not None:
-            work.wait()
-        return out.view(grid.tp, *x.shape).transpose(0, 1).reshape(x.size(0), grid.tp * x.size(1), *x.shape[2:])
-    return arranged if async_op else arranged()
-
-
-def reduce_scatter_sequence(x, grid):
-    """(B, T, ...) partial sums -> (B, T/t, ...) full sums of this rank's tokens."""
-    B, T = x.shape[:2]
-    stacked = x.reshape(B, grid.tp, T // grid.tp, *x.shape[2:]).transpose(0, 1).contiguous()
-    out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
-    gpt2.reduce_scatter_single(out, stacked.view(-1, *stacked.shape[2:]), group=grid.tp_group)  # gloo: concatenated
-    return out
-
-
-class GatherSequence(torch.autograd.Function):
-    """f with sequence parallelism: all-gather the tokens; backward reduce-scatters the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, grid):
-        ctx.grid = grid
-        return gather_sequence(x, grid)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_sequence(grad, ctx.grid), None
-
-
-class ReduceScatterSequence(torch.autograd.Function):
-    """g with sequence parallelism: sum the partials and keep this rank's tokens only."""
-
-    @staticmethod
-    def forward(ctx, x, grid):
-        ctx.grid = grid
-        return reduce_scatter_sequence(x, grid)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_sequence(grad, ctx.grid), None
+@torch.compiler.disable  # a collective in a custom backward: keep it out of the compiled graph
+def column_function(fn, x, weight, bias, grid, label):
+    return fn.apply(x, weight, bias, grid, label)
 
 
 def linear_grads(grad, x, weight, has_bias):
@@ -378,6 +345,67 @@ def linear_grads(grad, x, weight, has_bias):
     return grad_w, grad_2d.float().sum(0).to(weight.dtype) if has_bias else None
 
 
+# Sequence parallelism (--sequence-parallel; Korthikanti et al. 2022 section 4.2.2): every all-reduce becomes a
+# reduce-scatter + all-gather along T (the same bytes), so the LayerNorm/residual stretch between g and f is
+# cut along the sequence and its activations shrink by t too.
+
+
+def gather_sequence(x, grid, label, async_op=False):
+    """(B, T/t, ...) -> (B, T, ...): rank r's tokens land at positions r*T/t ... The gather stacks along
+    a new leading dim; Megatron keeps activations (T, B, E) so that this is copy-free, gpt2 is (B, T, E).
+    With async_op it returns a function that waits for the gather and then returns the (B, T, ...) tensor."""
+    x = x.contiguous()
+    out = torch.empty((grid.tp * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    grid.meter.all_gather(grid.tp * x.numel() * x.element_size(), grid.tp)
+    t0 = grid.timeline.now() if grid.timeline is not None and grid.timeline.on else None
+    work = gpt2.all_gather_single(out, x, group=grid.tp_group, async_op=async_op)  # (t*B, T/t, ...)
+
+    def arranged():
+        if work is not None:
+            work.wait()
+        if t0 is not None:
+            grid.timeline.comm_span(label, t0, kind="all_gather")
+        return out.view(grid.tp, *x.shape).transpose(0, 1).reshape(x.size(0), grid.tp * x.size(1), *x.shape[2:])
+    return arranged if async_op else arranged()
+
+
+def reduce_scatter_sequence(x, grid, label):
+    """(B, T, ...) partial sums -> (B, T/t, ...) full sums of this rank's tokens."""
+    B, T = x.shape[:2]
+    stacked = x.reshape(B, grid.tp, T // grid.tp, *x.shape[2:]).transpose(0, 1).contiguous()  # (t, B, T/t, ...)
+    out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
+    grid.meter.reduce_scatter(x.numel() * x.element_size(), grid.tp)
+    t0 = grid.timeline.now() if grid.timeline is not None and grid.timeline.on else None
+    gpt2.reduce_scatter_single(out, stacked.view(-1, *stacked.shape[2:]), group=grid.tp_group)  # gloo: concatenated
+    if t0 is not None:
+        grid.timeline.comm_span(label, t0, kind="reduce_scatter")
+    return out
+
+
+class GatherSequence(torch.autograd.Function):
+    """f with sequence parallelism: all-gather the tokens; backward reduce-scatters the gradient."""
+    @staticmethod
+    def forward(ctx, x, grid, label):
+        ctx.grid, ctx.label = grid, label
+        return gather_sequence(x, grid, label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad, ctx.grid, ctx.label), None, None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """g with sequence parallelism: sum the partials and keep this rank's tokens only."""
+    @staticmethod
+    def forward(ctx, x, grid, label):
+        ctx.grid, ctx.label = grid, label
+        return reduce_scatter_sequence(x, grid, label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_sequence(grad, ctx.grid, ctx.label), None, None
+
+
 class LinearRegatherInput(torch.autograd.Function):
     """Y = X W^T + b for an all-gathered X (B, T, in) that is NOT kept for backward: only this rank's
     tokens (B, T/t, in) are saved, and backward all-gathers them again for the weight gradient
@@ -385,63 +413,88 @@ class LinearRegatherInput(torch.autograd.Function):
     dX = dY W is computed (it needs no X), as Megatron-LM does; without, it comes first. dX leaves whole
     (B, T, in): f's GatherSequence reduce-scatters it (Megatron also overlaps that one with dW; here it
     cannot, as gpt2's attention must see the gathered T, so the gather stays outside this Function)."""
-
     @staticmethod
-    def forward(ctx, x, weight, bias, grid):
+    def forward(ctx, x, weight, bias, grid, label):
         n = x.size(1) // grid.tp
-        ctx.grid, ctx.has_bias = grid, bias is not None
-        ctx.save_for_backward(x[:, grid.tp_rank * n:(grid.tp_rank + 1) * n].clone(), weight)
+        ctx.grid, ctx.has_bias, ctx.label = grid, bias is not None, label
+        ctx.save_for_backward(x[:, grid.tp_rank * n:(grid.tp_rank + 1) * n].clone(), weight)  # (B, T/t, in)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         mine, weight = ctx.saved_tensors  # (B, T/t, in), (out, in)
+        label = ctx.label + " regather"
         if ctx.grid.overlap_regather:
-            regathered = gather_sequence(mine, ctx.grid, async_op=True)  # in flight while dX computes
+            regathered = gather_sequence(mine, ctx.grid, label, async_op=True)  # in flight while dX computes
             grad_x = grad @ weight.to(grad.dtype)  # (B, T, in)
             x = regathered()  # (B, T, in)
         else:
-            x = gather_sequence(mine, ctx.grid)
+            x = gather_sequence(mine, ctx.grid, label)
             grad_x = grad @ weight.to(grad.dtype)
         grad_w, grad_b = linear_grads(grad, x.to(grad.dtype), weight, ctx.has_bias)
-        return grad_x, grad_w, grad_b, None
-
-
-@torch.compiler.disable  # a collective in a custom backward: keep it out of the compiled graph
-def column_function(fn, x, weight, bias, grid):
-    return fn.apply(x, weight, bias, grid)
+        return grad_x, grad_w, grad_b, None, None
 
 
 @dataclass
 class SequenceParallelGrid(Grid):
-    """f all-gathers T, g reduce-scatters it; the column matmuls keep only this rank's T/t tokens of their
-    input; the replicated parameters (LayerNorms, row-parallel biases, wpe) saw T/t tokens on each rank."""
-    overlap_regather: bool = False  # --overlap-comm with SP: re-gather a matmul's input while dX computes
+    """f all-gathers T, g reduce-scatters it."""
+    overlap_regather = False  # a class attribute: OverlapSequenceParallelGrid re-gathers while dX computes
 
-    def f(self, x):
-        return GatherSequence.apply(x, self)
+    def f(self, x, label):
+        return GatherSequence.apply(x, self, label)
 
-    def g(self, x):
-        return ReduceScatterSequence.apply(x, self)
+    def g(self, x, label):
+        return ReduceScatterSequence.apply(x, self, label)
 
-    def column_linear(self, x, weight, bias):
-        if self.tp > 1 and torch.is_grad_enabled():
-            return column_function(LinearRegatherInput, x, weight, bias, self)
-        return F.linear(x, weight, bias)
 
-    def positions(self, T, device):  # this rank holds tokens tp_rank*T .. (tp_rank+1)*T - 1 of the sequence
-        return torch.arange(self.tp_rank * T, (self.tp_rank + 1) * T, device=device)
+@dataclass
+class OverlapSequenceParallelGrid(SequenceParallelGrid):
+    """--sequence-parallel --overlap-comm: the column matmuls' input re-gather runs under dX = dY W."""
+    overlap_regather = True
 
-    def sum_replicated_grads(self, params):  # section 4.2.2: add the T/t-token partial grads over TP
-        grads = [p.grad for p in params]
-        if self.tp > 1 and grads:
-            flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), self)
+
+class RegatherColumnLinear(ColumnParallelLinear):
+    """SP's column matmul: keeps only this rank's T/t tokens of its gathered input for backward."""
+    Function = LinearRegatherInput
+
+    def __init__(self, column, label):
+        nn.Module.__init__(self)
+        self.grid, self.weight, self.bias, self.label = column.grid, column.weight, column.bias, label
+
+    def forward(self, x):
+        if self.grid.tp > 1 and torch.is_grad_enabled():
+            return column_function(self.Function, x, self.weight, self.bias, self.grid, self.label)
+        return F.linear(x, self.weight, self.bias)
+
+
+class SequenceParallelGPT(TensorParallelGPT):
+    """Activations between g and f hold T/t tokens: positions offset, column matmuls keep T/t tokens, and the
+    replicated parameters (LayerNorms, row-parallel biases, wpe) saw T/t tokens on each rank."""
+    def __init__(self, full, grid):
+        super().__init__(full, grid)
+        wrap_columns(self.h, RegatherColumnLinear)
+
+    def embed(self, idx):  # idx (B, T) -> (B, T/t, E): tokens tp_rank*T/t .. of the sequence
+        x = vocab_parallel_embedding(idx, self.wte, self.grid)
+        T = x.size(1)
+        return x + self.wpe(torch.arange(self.grid.tp_rank * T, (self.grid.tp_rank + 1) * T, device=idx.device))
+
+    def head(self, h):  # (B, T/t, E) gathered by f -> (B, T, V/t), only this rank's tokens kept for backward
+        if self.grid.tp > 1 and torch.is_grad_enabled():
+            return column_function(LinearRegatherInput, h, self.wte, None, self.grid, "head f")
+        return F.linear(h, self.wte)
+
+    def sync_grads(self):  # section 4.2.2: add the T/t-token partial grads of the replicated parameters over TP
+        grads = [p.grad for p in self.parameters() if p.grad is not None and not hasattr(p, "tp_split")]
+        if self.grid.tp > 1 and grads:
+            flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.grid, "replicated grads tp")
             torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        super().sync_grads()
 
 
 # --overlap-comm (Megatron-LM's async tensor-parallel all-reduce, core/tensor_parallel/layers.py): f's backward
 # all-reduce of dX is issued before the dW matmul so the two may overlap; the forward all-reduces stay exposed.
-# On CUDA the order holds only with CUDA_DEVICE_MAX_CONNECTIONS=1 (main sets it); 2 CPU cores: 0.98-1.00x (bench).
+# On CUDA the order holds only with CUDA_DEVICE_MAX_CONNECTIONS=1 (cli sets it); 2 CPU cores: 0.98-1.00x (bench).
 
 
 class LinearOverlapAllReduce(torch.autograd.Function):
@@ -452,104 +505,97 @@ class LinearOverlapAllReduce(torch.autograd.Function):
                                                     dW = dY^T X, db
     The same products in a different order: the gradients are bit-identical to off (the test checks it,
     fp32 on CPU)."""
-
     @staticmethod
-    def forward(ctx, x, weight, bias, grid):
-        ctx.grid, ctx.has_bias = grid, bias is not None
+    def forward(ctx, x, weight, bias, grid, label):
+        ctx.grid, ctx.has_bias, ctx.label = grid, bias is not None, label
         ctx.save_for_backward(x, weight)  # x (B, T, in) as F.linear would keep it
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        grid = ctx.grid
         grad_x = grad @ weight.to(grad.dtype)  # (B, T, in): this rank's partial sum of dX
-        work = all_reduce(grad_x, ctx.grid, async_op=True)
+        grid.meter.all_reduce(grad_x.numel() * grad_x.element_size(), grid.tp)
+        work = dist.all_reduce(grad_x, group=grid.tp_group, async_op=True)
+        if grid.timeline is not None:
+            grid.timeline.comm(ctx.label, work)  # issue now -> completion
         grad_w, grad_b = linear_grads(grad, x.to(grad.dtype), weight, ctx.has_bias)
         work.wait()
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 @dataclass
 class OverlapCommGrid(Grid):
     """f does nothing: the column matmul (LinearOverlapAllReduce) all-reduces dX itself, under dW."""
-
-    def f(self, x):
+    def f(self, x, label):
         return x
 
-    def column_linear(self, x, weight, bias):
-        if self.tp > 1 and torch.is_grad_enabled():
-            return column_function(LinearOverlapAllReduce, x, weight, bias, self)
-        return F.linear(x, weight, bias)
+
+class OverlapColumnLinear(RegatherColumnLinear):
+    Function = LinearOverlapAllReduce
+
+
+class OverlapCommGPT(TensorParallelGPT):
+    """Every column matmul, the head included, all-reduces its dX under its dW."""
+    def __init__(self, full, grid):
+        super().__init__(full, grid)
+        wrap_columns(self.h, OverlapColumnLinear)
+
+    def head(self, h):
+        if self.grid.tp > 1 and torch.is_grad_enabled():
+            return column_function(LinearOverlapAllReduce, h, self.wte, None, self.grid, "head f")
+        return F.linear(h, self.wte)
 
 
 # ---- Appendix ----
-# Measurement (bytes, activations, closed forms, the run's report), the gathered model.pt, the global clip,
-# argument checks, the command line.
-
-
-# Bytes: the lesson's collectives are wrapped here and their names rebound, so every call above (which looks
-# the name up when it runs) adds the bytes the ring algorithm sends to grid.meter (gpt2.CommMeter).
-_uncounted = {"all_reduce": all_reduce, "gather_sequence": gather_sequence,
-              "reduce_scatter_sequence": reduce_scatter_sequence}
-
-
-def all_reduce(x, grid, group="tp", op=dist.ReduceOp.SUM, async_op=False):  # noqa: F811
-    grid.meter.all_reduce(x.numel() * x.element_size(), grid.tp if group == "tp" else grid.dp)
-    return _uncounted["all_reduce"](x, grid, group, op, async_op)
-
-
-def gather_sequence(x, grid, async_op=False):  # noqa: F811
-    grid.meter.all_gather(grid.tp * x.numel() * x.element_size(), grid.tp)
-    return _uncounted["gather_sequence"](x, grid, async_op)
-
-
-def reduce_scatter_sequence(x, grid):  # noqa: F811
-    grid.meter.reduce_scatter(x.numel() * x.element_size(), grid.tp)
-    return _uncounted["reduce_scatter_sequence"](x, grid)
-
-
-def grid_for(world, rank, tp, sequence_parallel=False, overlap_comm=False):
-    """make_grid, then the extension the flags ask for (the same groups and fields)."""
-    grid = make_grid(world, rank, tp)
-    fields = {f.name: getattr(grid, f.name) for f in dataclasses.fields(Grid)}
-    if sequence_parallel:
-        return SequenceParallelGrid(**fields, overlap_regather=overlap_comm)
-    return OverlapCommGrid(**fields) if overlap_comm else grid
-
-
-def grid_from_args(args, ctx):
-    return grid_for(ctx.world, ctx.rank, args.tp, args.sequence_parallel, args.overlap_comm)
-
-
-def unshard(w, grid, dim=0, pieces=1):
-    """The inverse of shard: all-gather the TP group's slices into the full tensor."""
-    w = w.detach().movedim(dim, 0).contiguous()
-    out = torch.empty((grid.tp * w.size(0),) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
-    gpt2.all_gather_single(out, w, group=grid.tp_group) if grid.tp > 1 else out.copy_(w)
-    out = out.reshape(grid.tp, pieces, w.size(0) // pieces, *w.shape[1:]).transpose(0, 1)
-    return out.reshape(-1, *w.shape[1:]).movedim(0, dim)
+# Argument checks, the gathered model.pt, the run's report (bytes and activations beside their closed forms),
+# the command line.
 
 
 def full_state_dict(model):
-    """gpt2.GPT's state dict, all-gathered over the TP group (so `gpt2.py sample` can load it)."""
-    sd = {}
+    """gpt2.GPT's state dict, each shard all-gathered over the TP group (so `gpt2.py sample` can load it)."""
+    sd, grid = {}, model.grid
     for name, p in model.named_parameters():
         name = name.replace("attn_bias", "attn.c_proj.bias").replace("mlp_bias", "mlp.c_proj.bias")
-        full = unshard(p, model.grid, *p.tp_split) if hasattr(p, "tp_split") else p.detach()
+        if hasattr(p, "tp_split"):  # undo shard: gather (t * rows, ...) and put each piece's rows in place
+            dim, pieces = p.tp_split
+            w = p.detach().movedim(dim, 0).contiguous()
+            out = torch.empty((grid.tp * w.size(0),) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
+            gpt2.all_gather_single(out, w, group=grid.tp_group) if grid.tp > 1 else out.copy_(w)
+            out = out.reshape(grid.tp, pieces, w.size(0) // pieces, *w.shape[1:]).transpose(0, 1)  # (pieces, t, ..)
+            full = out.reshape(-1, *w.shape[1:]).movedim(0, dim)
+        else:
+            full = p.detach()
         sd[name if "." in name else name + ".weight"] = full.cpu()  # our wte is a bare Parameter
     sd["lm_head.weight"] = sd["wte.weight"]
     return sd
 
 
-def clip_grad_norm(model, grid, max_norm):
-    """The GLOBAL norm: sharded grads add their squares over TP, replicated ones count once, so they are
-    divided by t before the one all-reduce. Then scale as torch.nn.utils.clip_grad_norm_ does."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    sq = torch.stack([torch.linalg.vector_norm(p.grad.float()) ** 2 / (1 if hasattr(p, "tp_split") else grid.tp)
-                      for p in model.parameters() if p.grad is not None]).sum()
-    norm = all_reduce(sq, grid).sqrt()
-    torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
-    return norm
+def check_tp(args, cfg, world):
+    """Every size problem becomes one line, before the first collective. Returns t (default: every rank)."""
+    if args.tp is not None:
+        gpt2.check_range(args.tp, "--tp", 1, todo="give a positive integer")
+    tp = args.tp or world
+    if world % tp:
+        gpt2.fail(f"--tp {tp} does not divide the {world} ranks", "--tp", "give a divisor of the world size")
+    if cfg.n_head % tp:
+        gpt2.fail(f"{cfg.n_head} heads cannot be split over {tp} ranks", "--tp/--n-head",
+                  "give a --tp that divides the number of heads (GPT-2 124M: 1, 2, 3, 4, 6 or 12)")
+    if cfg.padded_vocab % tp:
+        gpt2.fail(f"the padded vocabulary {cfg.padded_vocab} is not divisible by {tp}", "--tp",
+                  "give a power-of-two --tp (the vocabulary is padded to a multiple of 128)")
+    return tp
+
+
+def validate(args, cfg, world):
+    """check_tp, and sequence parallelism's own size: one line each, before the first collective."""
+    gpt2.check_args(args)
+    tp = check_tp(args, cfg, world)
+    if args.sequence_parallel and args.seq_len % tp:
+        gpt2.fail(f"--seq-len {args.seq_len} is not divisible by --tp {tp}", "--sequence-parallel",
+                  "give a --seq-len divisible by --tp, or drop --sequence-parallel")
+    return tp
 
 
 def comm_bytes_closed_form(cfg, args, grid, act_bytes, n_local_params):
@@ -619,68 +665,53 @@ def activation_bytes_closed_form(cfg, B, T, t, sequence_parallel):
     return embed + cfg.n_layer * layer, head
 
 
-def with_grid(model, grid):
-    """Point every module of a TensorParallelGPT at `grid` (the activation probe measures both modes)."""
-    for m in model.modules():
-        if hasattr(m, "grid"):
-            m.grid = grid
-
-
-def print_activation_memory(model, grid, args, ctx):
-    """Print the activation bytes of one micro-batch, without and with sequence parallelism, beside their
-    closed forms (fp32 only: under autocast the saved tensors also hold low-precision copies of the weights).
-    Runs eagerly before train compiles anything: under --compile, probing both modes inside the compiled
-    modules cost 3 recompiles and a graph break before step 0. The probe's collectives are not counted."""
+def print_activation_memory(model, args, ctx):
+    """The activation bytes of one micro-batch, without and with sequence parallelism (fresh, eager copies of
+    the model on the same groups), beside their closed forms (fp32 only: under autocast the saved tensors
+    also hold low-precision copies of the weights). The probe's collectives are not counted."""
     probe = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len),
                           generator=torch.Generator().manual_seed(0)).to(ctx.device)
-    fields = {f.name: getattr(grid, f.name) for f in dataclasses.fields(Grid)}
-    for sp in [False] + ([True] if grid.tp > 1 and args.seq_len % grid.tp == 0 else []):
-        with_grid(model, SequenceParallelGrid(**fields) if sp else Grid(**fields))
+    groups = {f.name: getattr(model.grid, f.name) for f in fields(Grid) if f.name != "timeline"}
+    for sp in [False] + ([True] if model.grid.tp > 1 and args.seq_len % model.grid.tp == 0 else []):
+        grid = SequenceParallelGrid(**groups) if sp else Grid(**groups)
+        copy = (SequenceParallelGPT if sp else TensorParallelGPT)(gpt2.build_model(args).to(ctx.device), grid)
         with ctx.autocast():
-            blocks, head, _ = saved_activation_bytes(model, probe, probe)
+            blocks, head, _ = saved_activation_bytes(copy, probe, probe)
         closed = activation_bytes_closed_form(model.config, args.batch_size, args.seq_len, grid.tp, sp)
         closed = [f" (closed form {c / 1e6:.2f})" if ctx.dtype == torch.float32 else "" for c in closed]
         gpt2.print0(f"activation memory per rank, one micro-batch, {'with' if sp else 'without'} sequence parallelism: "
                     f"{blocks / 1e6:.2f} MB embedding + blocks{closed[0]}, {head / 1e6:.2f} MB head + loss{closed[1]}")
-    with_grid(model, grid)
-    grid.meter.take_mb()
+    model.grid.meter.take_mb()
 
 
-def report_start(args, ctx, model, n_params):
-    """The run's first lines: sizes, the activation probe; returns the closed form of the bytes per step."""
-    grid, n_local = model.grid, sum(p.numel() for p in model.parameters())
-    gpt2.print0(f"model {args.model}: {n_params / 1e6:.2f}M non-embedding params | grid TP={grid.tp} x DP={grid.dp}"
-                f"{' + SP' if args.sequence_parallel else ''}{' + overlap' if args.overlap_comm else ''} | "
-                f"{n_local / 1e6:.2f}M params on this rank | {ctx.device} {ctx.dtype}")
-    print_activation_memory(model, grid, args, ctx)  # eager, before compiling (see there)
-    return comm_bytes_closed_form(model.config, args, grid, torch.finfo(ctx.dtype).bits // 8, n_local) / 1e6
+def save_zoomed_timelines(args, model, ctx):
+    """OUT/timeline_forward.png and OUT/timeline_backward.png: the blocks' stretch of the recorded step alone
+    (forward: from the embedding's g to the loss; backward: from the head's f to the clip norm), where each
+    block's compute and its f and g are wide enough to read. Every rank calls it (the pictures gather)."""
+    spans = model.grid.timeline.spans
+    labels = [s[0] for s in spans]
+    for part, after, before in (("forward", "embedding g", "loss max"), ("backward", "head f", "clip norm")):
+        lo = labels.index(after) + 1 if after in labels else len(spans)
+        hi = labels.index(before, lo) - 1 if before in labels[lo:] else len(spans)  # without the compute before it
+        zoom = gpt2.Timeline(ctx, record_step=model.grid.timeline.record_step)
+        zoom.spans = [s for s in spans[lo:hi] if s[3] is not None]
+        zoom.t0 = zoom.spans[0][2] if zoom.spans else None
+        zoom.save(os.path.join(args.out, f"timeline_{part}.png"), title=f"the blocks in {part}: each block's compute "
+                  f"(upper bar), its f and g all-reduces (lower bar), issue to completion")
 
 
-def report_step(metrics, step, loss, lr, grid, expected_mb):
-    comm_mb = grid.meter.take_mb()
-    metrics.log_step(step, loss, lr, comm_mb=comm_mb, comm_closed_form_mb=expected_mb)
-    if step == 0:
-        gpt2.print0(f"communication per step per rank: {comm_mb:.3f} MB measured, {expected_mb:.3f} MB closed form")
-
-
-def validate(args, cfg, world):
-    """Every size problem becomes an error before the first collective."""
-    gpt2.check_args(args)
-    if args.tp is not None:
-        gpt2.check_range(args.tp, "--tp", 1, todo="give a positive integer")
-    tp = args.tp or world
-    if tp < 1 or world % tp:
-        gpt2.fail(f"--tp {tp} does not divide the {world} ranks", "--tp", "give a divisor of the world size")
-    if cfg.n_head % tp:
-        gpt2.fail(f"{cfg.n_head} heads cannot be split over {tp} ranks", "--tp/--n-head",
-                  "give a --tp that divides the number of heads (GPT-2 124M: 1, 2, 3, 4, 6 or 12)")
-    if cfg.padded_vocab % tp:
-        gpt2.fail(f"the padded vocabulary {cfg.padded_vocab} is not divisible by {tp}", "--tp",
-                  "give a power-of-two --tp (the vocabulary is padded to a multiple of 128)")
-    if args.sequence_parallel and args.seq_len % tp:
-        gpt2.fail(f"--seq-len {args.seq_len} is not divisible by --tp {tp}", "--sequence-parallel",
-                  "give a --seq-len divisible by --tp, or drop --sequence-parallel")
-    return tp
+def report(args, model, metrics):
+    """After the run: the bytes each step sent beside their closed form, then the activation probe."""
+    ctx, grid = metrics.ctx, model.grid
+    n_local = sum(p.numel() for p in model.parameters())
+    closed = comm_bytes_closed_form(model.config, args, grid, torch.finfo(ctx.dtype).bits // 8, n_local) / 1e6
+    sent = [r["comm_mb"] for r in metrics.records if "comm_mb" in r]
+    gpt2.print0(f"communication per step per rank: {min(sent):.3f} .. {max(sent):.3f} MB measured over "
+                f"{len(sent)} steps, {closed:.3f} MB closed form | {n_local / 1e6:.2f}M params on this rank")
+    save_zoomed_timelines(args, model, ctx)
+    if args.compile:
+        return
+    print_activation_memory(model, args, ctx)
 
 
 def order_comm_before_compute():
@@ -706,20 +737,32 @@ def warn_tp_across_nodes(tp):
                     f"and their all-reduces leave NVLink; give a --tp that divides {local}")
 
 
-def main(argv=None):
-    p = gpt2.make_parser("Megatron tensor parallelism (x data parallelism) for GPT-2.")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks per model (default: all); DP = world / tp")
+def cli(argv=None):
+    """The core's parser and loop, with the extensions the flags pick."""
+    p = make_parser()
     p.add_argument("--sequence-parallel", action="store_true", help="shard LayerNorm/residual activations along the sequence")
     p.add_argument("--overlap-comm", action="store_true",
                    help="issue the column-parallel matmuls' backward dX all-reduce (SP: the input re-gather) before "
                         "the matmul it may overlap with")
     args = p.parse_args(argv)
+    if args.overlap_comm:  # before anything starts CUDA (setup, the model)
+        order_comm_before_compute()
     args.tp = validate(args, gpt2.model_config(args), int(os.environ.get("WORLD_SIZE", 1)))
     warn_tp_across_nodes(args.tp)
-    if args.overlap_comm:
-        order_comm_before_compute()
-    train(args)
+    grid_class, model_class = Grid, TensorParallelGPT
+    if args.sequence_parallel:
+        grid_class = OverlapSequenceParallelGrid if args.overlap_comm else SequenceParallelGrid
+        model_class = SequenceParallelGPT
+    elif args.overlap_comm:
+        grid_class, model_class = OverlapCommGrid, OverlapCommGPT
+    model, metrics = train(args, grid_class, model_class)
+    sd = full_state_dict(model)  # gathered over TP, every rank takes part
+    if metrics.ctx.master:
+        gpt2.save_model(os.path.join(args.out, "model.pt"), model.config, sd)
+    gpt2.print0(f"saved {args.out}/model.pt (gathered, gpt2 layout)")
+    report(args, model, metrics)
+    return model, metrics
 
 
 if __name__ == "__main__":
-    gpt2.run_main(main)
+    gpt2.run_main(cli)

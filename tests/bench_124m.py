@@ -74,6 +74,68 @@ def fmt(row):
             f"{row['act_MB']:,.1f} | {row['how']} |")
 
 
+class LiveBytes:
+    """Peak bytes of the tensors alive at once while a function runs, on the meta device (shapes only: no compute,
+    no memory, any size): every op's output storage counts from its creation to the death of its last tensor."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+        import weakref
+        tracker = self
+        self.refs, self.size, self.seen, self.now, self.peak = {}, {}, set(), 0, 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and id(t) not in tracker.seen:
+                        key = t.untyped_storage()._cdata
+                        tracker.seen.add(id(t))
+                        if key not in tracker.refs:
+                            tracker.refs[key], tracker.size[key] = 0, t.untyped_storage().nbytes()
+                            tracker.now += tracker.size[key]
+                            tracker.peak = max(tracker.peak, tracker.now)
+                        tracker.refs[key] += 1
+                        weakref.finalize(t, tracker.drop, key, id(t))
+                return out
+
+        self.mode = Mode()
+
+    def drop(self, key, tid):
+        self.seen.discard(tid)
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.now -= self.size.pop(key)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def head_loss_peak_gb(batch_size, seq_len, chunked):
+    """The head and loss of GPT-2 124M on one GPU in bf16 (logits = x @ W.T in bf16, the loss in fp32), forward and
+    backward, measured on the meta device: the plain path (fp32 logits and log-softmax for the whole batch) or
+    gpt2.py's ChunkedCrossEntropy (gpt2.LOSS_CHUNK rows at a time)."""
+    cfg, n = gpt2.MODELS["gpt2"], batch_size * seq_len
+    w = torch.empty(cfg.padded_vocab, cfg.n_embd, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.empty(n, cfg.n_embd, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.zeros(n, dtype=torch.long, device="meta")
+    with LiveBytes() as live:
+        if chunked:
+            loss = gpt2.ChunkedCrossEntropy.apply(x, w, targets, cfg.vocab_size, True)
+        else:
+            logits = x @ w.t()
+            logits[..., cfg.vocab_size:] = float("-inf")
+            loss = gpt2.cross_entropy(logits, targets)
+        loss.backward()
+    return live.peak / 1e9
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=8, help="ranks the figures are for")
@@ -90,6 +152,10 @@ def main():
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for row in rows:
         print(fmt(row))
+    for b in (args.batch_size, 64):
+        print(f"\nhead + loss peak per GPU at B={b} x T={args.seq_len} (bf16 logits, fp32 loss, forward + backward, "
+              f"meta device): whole-batch logits {head_loss_peak_gb(b, args.seq_len, False):.2f} GB, chunked "
+              f"({gpt2.LOSS_CHUNK} rows at a time, gpt2.py) {head_loss_peak_gb(b, args.seq_len, True):.2f} GB")
 
 
 if __name__ == "__main__":

@@ -95,17 +95,14 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024):
     with tempfile.TemporaryDirectory() as tmp:
         args.ckpt_dir, args.keep = tmp, 1
         with mock.patch.object(dist, "new_group", lambda *a, **k: None):  # the writer's gloo group: not under fake
-            ck = checkpoint.SafeCheckpointer(args, ctx, zero, comm)
-        tensors, _ = ck.snapshot(opt)
+            ck = checkpoint.SafeCheckpointer(args, ctx, zero, gpt2.Timeline(ctx))
+        tensors, meta = ck.snapshot(1, opt, FixedLoader())
         snapshot_mb = sum(t.nbytes for t in ck.buffers.values()) / 1e6
         d = checkpoint.step_dir(tmp, 1)
-        os.makedirs(d)
-        meta = {"step": 1, "rank": 0, "world": world, "lo": zero.lo, "hi": zero.hi, "loader": {"shard": 0, "pos": 0},
-                "config": zero.config}
-        nbytes, crc = checkpoint.write_shard(os.path.join(d, f"rank00000-of-{world:05d}.safetensors"), tensors, meta)
-        ck.commit(1, d, torch.tensor([[nbytes, crc]] * world), {"shard": 0, "pos": 0})
+        report = ck.write(d, tensors, meta)
+        ck.commit(1, d, report.repeat(world, 1), {"shard": 0, "pos": 0})
         manifest_kb = os.path.getsize(os.path.join(d, "manifest.json")) / 1e3
-        shard_mb = os.path.getsize(os.path.join(d, f"rank00000-of-{world:05d}.safetensors")) / 1e6
+        shard_mb = os.path.getsize(os.path.join(d, f"rank00000-of-{world:05d}.pt")) / 1e6
     if own:
         dist.destroy_process_group()
     return [{"setup": "checkpoint.py (ZeRO-1, async sharded saves)",
@@ -131,7 +128,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3, help="saves and loads per method (median reported)")
     args = p.parse_args()
     args.ckpt_dir, args.keep, args.out = os.path.join(args.bench_dir, "ours"), 1, os.path.join(args.bench_dir, "out")
-    args.fail_at, args.allow_fresh_start = -1, False  # checkpoint.py's own flags, off
+    args.fail_at, args.allow_fresh_start, args.save_every = -1, False, 0  # checkpoint.py's own flags, off
     ctx = gpt2.setup(args)
     if ctx.world < 2:
         sys.exit("run it under torchrun with >= 2 processes: DCP's sharded save needs a process group")
@@ -154,7 +151,7 @@ def main():
     rows = {}
 
     # ours: snapshot to CPU, write + fsync + crc32 in a thread, rank 0 commits the manifest
-    ck = checkpoint.SafeCheckpointer(args, ctx, zero, comm)
+    ck = checkpoint.SafeCheckpointer(args, ctx, zero, gpt2.Timeline(ctx))
     blocked, durable, load = [], [], []
     for r in range(args.repeats):
         dist.barrier()

@@ -68,11 +68,11 @@ def gemm_table(dev):
                 lambda: torch._scaled_mm(aq_t, bq_t.t(), scale_a=one_a, scale_b=one_b, out_dtype=torch.bfloat16, use_fast_accum=True),
             "torch._scaled_mm row-wise (built-in)":
                 lambda: torch._scaled_mm(aq, bq.t(), scale_a=row_a, scale_b=row_b, out_dtype=torch.bfloat16),
-            "ours: fp8_matmul 1x128 x 128x128 (pre-quantized)": lambda: fp8.fp8_matmul(aq, sa, bq, sb, torch.bfloat16),
+            "ours: fp8_matmul 1x128 x 128x128 (pre-quantized)": lambda: fp8.cuda_fp8_matmul(aq, sa, bq, sb, torch.bfloat16),
             "ours: quantize both + fp8_matmul":
-                lambda: fp8.fp8_matmul(*fp8.quantize_1x128(ab), *fp8.quantize_128x128(bb), torch.bfloat16),
+                lambda: fp8.cuda_fp8_matmul(*fp8.quantize_1x128(ab), *fp8.quantize_128x128(bb), torch.bfloat16),
             "ours: torch.compile'd quantize both + fp8_matmul":
-                lambda: fp8.fp8_matmul(*q1x128_compiled(ab), *q128x128_compiled(bb), torch.bfloat16),
+                lambda: fp8.cuda_fp8_matmul(*q1x128_compiled(ab), *q128x128_compiled(bb), torch.bfloat16),
         }
         for name, fn in cases.items():
             try:
@@ -81,7 +81,7 @@ def gemm_table(dev):
                 rows.setdefault(name, []).append(float("nan"))
                 print(f"   ({name} at {n}: {str(e).splitlines()[0][:100]})")
         if n == 4096:  # correctness of the GPU path against the CPU emulation, same fp8 bytes
-            got = fp8.fp8_matmul(aq, sa, bq, sb, torch.float32).cpu()
+            got = fp8.cuda_fp8_matmul(aq, sa, bq, sb, torch.float32).cpu()
             want = fp8.fp8_matmul(aq.cpu(), sa.cpu(), bq.cpu(), sb.cpu())
             agree = rel_err(got, want)
         del a, b, ab, bb, aq, bq, aq_t, bq_t
@@ -99,7 +99,8 @@ def gemm_table(dev):
     g = torch.randn(1024, 3072).bfloat16().float()  # bf16-exact, so both devices quantize the same dy
 
     def fwd_bwd(d, autocast):
-        layer = fp8.Fp8Linear.from_linear(nn.Linear(768, 3072, device=d))
+        Linear = fp8.CublasFp8Linear if d.type == "cuda" else fp8.Fp8Linear
+        layer = Linear.from_linear(nn.Linear(768, 3072, device=d))
         layer.load_state_dict(lin.state_dict())
         xi = x.to(d).requires_grad_()
         with torch.autocast(d.type, dtype=torch.bfloat16, enabled=autocast):
@@ -113,7 +114,7 @@ def gemm_table(dev):
         ok = "PASS" if max(diffs) < 1e-2 else "FAIL (a scale layout is wrong)"
         print(f"Fp8Linear GPU ({'bf16 autocast' if autocast else 'fp32'}) vs CPU emulation: "
               f"y {diffs[0]:.1e} dx {diffs[1]:.1e} dW {diffs[2]:.1e} -> {ok}")
-    print(f"block-scaled _scaled_mm used, by (device, out dtype, b in 1x128 rows): {fp8._blockwise_ok}")
+    print(f"the fp8 GEMM path and the kinds of call checked: {fp8._gemm}")
 
 
 def linear_table(dev):
@@ -128,7 +129,7 @@ def linear_table(dev):
         x = torch.randn(16384, K, device=dev, requires_grad=True)
         g = torch.randn(16384, N, device=dev, dtype=torch.bfloat16)
         lin = nn.Linear(K, N, device=dev)
-        layers = {"bf16": lin, "fp8": fp8.Fp8Linear.from_linear(lin)}
+        layers = {"bf16": lin, "fp8": fp8.CublasFp8Linear.from_linear(lin)}
         if convert_to_float8_training is not None:
             layers["torchao"] = convert_to_float8_training(nn.Sequential(nn.Linear(K, N, device=dev)))
 
@@ -260,7 +261,7 @@ def formats_loss_gaps(data, out, steps=60):
         run_out = os.path.join(out, "formats", name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", ""))
         shutil.rmtree(run_out, ignore_errors=True)
         t0 = time.perf_counter()
-        fp8.train(base + extra + ["--out", run_out])
+        fp8.cli(base + extra + ["--out", run_out])
         with open(os.path.join(run_out, "metrics.jsonl")) as f:
             curves[name] = [json.loads(line)["loss"] for line in f if '"loss"' in line]
         print(f"   {name}: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -382,13 +383,15 @@ def scaled_mm_check(dev="cuda"):
     multiple of 4: cuBLAS's padded scale rows). The CPU tests check these arguments only against a mock
     written from the same reading of cuBLAS; this is the real call. Exit 1 unless every case is within 1e-2."""
     torch.manual_seed(0)
-    x, w, dy = torch.randn(1024, 768), torch.randn(640, 768), torch.randn(1024, 640)
-    (xq, xs), (wq, ws), (dyq, dys) = fp8.quantize_1x128(x), fp8.quantize_128x128(w), fp8.quantize_1x128(dy)
-    (dytq, dyts), (xtq, xts) = fp8.quantize_1x128(dy.t()), fp8.quantize_1x128(x.t())
-    ok = True
-    for name, (a, sa, b, sb) in (("forward x @ W^T", (xq, xs, wq, ws)), ("dgrad dy @ W", (dyq, dys, wq.t(), ws.t())),
-                                 ("wgrad dy^T @ x", (dytq, dyts, xtq, xts))):
-        want = fp8._fp8_matmul_emulated(a, sa, b, sb)
+    ok, cases = True, []
+    for tokens in (1024, 1000):  # a multiple of 128 (wgrad's operands unpadded) and not
+        x, w, dy = torch.randn(tokens, 768), torch.randn(640, 768), torch.randn(tokens, 640)
+        (xq, xs), (wq, ws), (dyq, dys) = fp8.quantize_1x128(x), fp8.quantize_128x128(w), fp8.quantize_1x128(dy)
+        (dytq, dyts), (xtq, xts) = fp8.quantize_1x128(dy.t()), fp8.quantize_1x128(x.t())
+        cases += [(f"forward x @ W^T, {tokens} tok", (xq, xs, wq, ws)), (f"dgrad dy @ W, {tokens} tok", (dyq, dys, wq.t(), ws.t())),
+                  (f"wgrad dy^T @ x, {tokens} tok", (dytq, dyts, xtq, xts))]
+    for name, (a, sa, b, sb) in cases:
+        want = fp8.fp8_matmul(a, sa, b, sb)
         for out_dtype in (torch.float32, torch.bfloat16):
             try:
                 got = fp8.block_scaled_mm(*(t.to(dev) for t in (a, sa, b, sb)), out_dtype).float().cpu()
@@ -397,7 +400,7 @@ def scaled_mm_check(dev="cuda"):
                 ok &= err < 1e-2
             except (RuntimeError, NotImplementedError, ValueError) as e:
                 line, ok = f"FAIL: {str(e).splitlines()[0][:120]}", False
-            print(f"block-scaled _scaled_mm vs emulation, {name:16s} {str(out_dtype)[6:]:8s}: {line}")
+            print(f"block-scaled _scaled_mm vs emulation, {name:26s} {str(out_dtype)[6:]:8s}: {line}")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if dev == 'cuda' else dev}: " + ("PASS" if ok else "FAIL"))
     return ok
 

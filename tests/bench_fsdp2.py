@@ -1,7 +1,7 @@
 """
 tests/bench_fsdp2.py - fsdp2.py against PyTorch's torch.distributed.fsdp.fully_shard in the same run:
 same model, same units (one per Block + the root), same batches, same AdamW; step time and peak
-memory per rank. With bf16 (CUDA's default) and --mp-policy bf16-gather both gather bf16 and reduce fp32
+memory per rank. With bf16 and --mp-policy bf16-gather (the core gathers fp32) both gather bf16 and reduce fp32
 (MixedPrecisionPolicy(bf16, fp32)). --replicate R: both as HSDP (fully_shard on an R x N/R DeviceMesh).
 
     torchrun --nproc_per_node=2 tests/bench_fsdp2.py                                    # CPU, gloo, tiny
@@ -41,23 +41,32 @@ import gpt2  # noqa: E402
 from gpt2 import print0  # noqa: E402
 
 
+def shard(model, args, meter):
+    """fsdp2.py's classes for the flags, as its train() builds them (the compiled Blocks included)."""
+    for block in model.h if args.compile else []:
+        block.forward = torch.compile(block.forward)
+    Model, Unit = fsdp2.classes(args)
+    return Model(model, list(model.h), meter=meter, Unit=Unit)
+
+
 def build_ours(args, ctx):
     model = gpt2.build_model(args).to(ctx.device)
-    fsdp = fsdp2.shard_gpt(model, args, ctx.dtype)
+    meter = gpt2.CommMeter()
+    fsdp = shard(model, args, meter)
     shards = list(fsdp.parameters())
     opt = gpt2.make_adamw([{"params": [s for s in shards if s.dim() >= 2], "weight_decay": args.weight_decay},
                            {"params": [s for s in shards if s.dim() < 2], "weight_decay": 0.0}], args, ctx.device)
 
     def step(x, y):
         with ctx.autocast():
-            loss = fsdp(x, y)
+            loss = fsdp(x, y)[1]
         loss.backward()
         fsdp2.clip_grad_norm_(fsdp, args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
     step.fsdp = fsdp
-    return step, fsdp2.METER
+    return step, meter
 
 
 def build_fully_shard(args, ctx):
@@ -154,18 +163,19 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
     rows, act_mb = [], None
     x = torch.randint(0, 50257, (1, seq_len))
     for name, flags in setups:
-        args = fsdp2.make_parser().parse_args(["--model", "gpt2", "--seq-len", str(seq_len), "--dtype", "bfloat16",
-                                               "--device", "cpu", *flags])
-        comm = fsdp2.METER
-        fsdp = fsdp2.shard_gpt(gpt2.build_model(args), args, torch.bfloat16)
+        args = fsdp2.add_flags(fsdp2.make_parser()).parse_args(["--model", "gpt2", "--seq-len", str(seq_len), "--dtype",
+                                                                "bfloat16", "--device", "cpu",
+                                                                "--mp-policy", "bf16-gather", *flags])
+        comm = gpt2.CommMeter()
+        fsdp = shard(gpt2.build_model(args), args, comm)
         shards = list(fsdp.parameters())
         comm.take_mb()
         opt = gpt2.make_adamw(shards, args, torch.device("cpu"))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if act_mb is None:
-                act_mb = fsdp2.activation_mb(lambda: fsdp(x, x), fsdp) * batch_size
+                act_mb = fsdp2.activation_mb(lambda: fsdp(x, x)[1], fsdp) * batch_size
             else:  # the bytes do not depend on B x T: a short sequence is enough
-                fsdp(x[:, :16], x[:, :16]).backward()
+                fsdp(x[:, :16], x[:, :16])[1].backward()
         fsdp2.clip_grad_norm_(fsdp, 1.0)
         opt.step()
         params_mb, grads_mb, optim_mb = fsdp2.persistent_mb(fsdp, opt)
@@ -191,7 +201,7 @@ def print_per_rank_124m():
 
 
 def main():
-    p = fsdp2.make_parser()
+    p = fsdp2.add_flags(fsdp2.make_parser())
     p.add_argument("--memory-passes", type=int, default=3, help="peak memory = the least of this many measured passes")
     p.add_argument("--rounds", type=int, default=3, help="timing rounds; each times --steps steps of each, alternating")
     p.set_defaults(steps=5, seq_len=128, batch_size=4)
@@ -204,7 +214,7 @@ def main():
              for name, build in impls.items()}
     ours, _ = build_ours(args, ctx)
     formula = fsdp2.memory_formula(ours.fsdp)
-    act_mb = fsdp2.activation_mb(lambda: ours.fsdp(*data[0]), ours.fsdp)
+    act_mb = fsdp2.activation_mb(lambda: ours.fsdp(*data[0])[1], ours.fsdp)
     del ours
 
     steps, comm, times, losses = {}, None, {name: [] for name in impls}, {name: [] for name in impls}

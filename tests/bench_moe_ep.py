@@ -58,9 +58,11 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024, probe_tokens=128) -> lis
         args = moe_ep.make_parser().parse_args(flags + ["--seq-len", str(probe_tokens)])
         moe_ep.check_args(args, world)
         ep_group, expert_dp_group = moe_ep.make_groups(0, world, world)
-        a2a, meter = moe_ep.dist.a2a, moe_ep.dist.comm  # moe_ep's meters around every collective it calls
-        a2a.take_mb(), meter.take_mb()
-        model = moe_ep.build_moe_model(args, 0, ep_group, moe_ep.layer_class(args))
+        meter = moe_ep.meter  # moe_ep's meter: the core calls it beside every collective
+        meter.take_a2a(), meter.take_mb()
+        model = gpt2.build_model(args)
+        for i, block in enumerate(model.h):
+            block.mlp = moe_ep.DeepSeekMoE(model.config, args, i, model.init_weights, 0, ep_group)
         cfg, moes = model.config, [b.mlp for b in model.h]
         experts = [p for m in moes for p in m.experts.parameters()]
         dense = [p for p in model.parameters() if id(p) not in {id(e) for e in experts}]
@@ -79,7 +81,8 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024, probe_tokens=128) -> lis
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(idx, idx)[1]
             if backward:
-                counts = moe_ep.global_counts(moes, world)
+                counts = torch.stack([torch.stack([m.stats["routed"], m.stats["kept"]]) for m in moes])
+                dist.all_reduce(counts)
                 aux = sum(m.balance_loss(c, args) for m, c in zip(moes, counts))
                 (loss + aux).backward()
                 moe_ep.all_reduce_grads(dense, None, world, world)
@@ -93,7 +96,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024, probe_tokens=128) -> lis
         dense_gpt2 = cfg.padded_vocab * D + cfg.block_size * D + L * (12 * D * D + 13 * D) + 2 * D
         closed_params = dense_gpt2 + L * (args.experts // world + 1 - 1) * mlp + L * args.experts * D
         half = step(probe_tokens // 2, backward=False)
-        a2a.take_mb()
+        meter.take_a2a(), meter.take_mb()
         rows = []
         for dispatch in ("expert", "rank"):
             for m in moes:
@@ -109,7 +112,8 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024, probe_tokens=128) -> lis
             opt.zero_grad(set_to_none=True)
             scale = batch_size * seq_len / probe_tokens
             counts = cfg.n_layer * (world - 1) * 8 * (1 if dispatch == "rank" else args.experts // world)  # not per token
-            a2a_mb = (a2a.take_mb() - counts / 1e6) * scale + counts / 1e6
+            raw_a2a = meter.take_a2a()[0]
+            a2a_mb = (raw_a2a - counts / 1e6) * scale + counts / 1e6
             args.dispatch = dispatch
             a2a_closed = cfg.n_layer * moe_ep.a2a_bytes_uniform(args, batch_size * seq_len, cfg.n_embd * 2) / 1e6
             ring = lambda nbytes: 2 * (world - 1) / world * nbytes / 1e6
@@ -118,7 +122,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024, probe_tokens=128) -> lis
                       + 2 * (world - 1) / world * 4 / 1e6)
             rows.append({"setup": "moe_ep.py --ep 8 --experts 8 --top-k 2 --shared-expert" +
                          (" --dispatch rank" if dispatch == "rank" else ""),
-                         "comm_MB": a2a_mb + meter.take_mb(), "comm_MB_closed": closed, "act_MB": act,
+                         "comm_MB": a2a_mb + meter.take_mb() - raw_a2a, "comm_MB_closed": closed, "act_MB": act,
                          "how": f"fake PG rank 0 of {world}, all-to-alls mirrored; one real CPU bf16 step at "
                                 f"1x{probe_tokens} tokens, token bytes and activations scaled to {batch_size}x{seq_len}"})
         for r in rows:  # the dispatch moves no persistent tensor: one model, one optimizer, the same memory
@@ -168,13 +172,13 @@ def time_options(world, rank, device, dtype, a, iters=5):
                      ("--shared-expert --overlap-shared", dict(shared_expert=True, overlap_shared=True))):
         args = ap.Namespace(**{**dict(experts=a.experts, ep=world, top_k=a.top_k, gate="softmax", capacity_factor=0.0,
                                       seed=0, shared_expert=False), **kw})
-        meter = moe_ep.dist.a2a
-        meter.sync = True
-        layer = moe_ep.layer_class(args)(cfg, args, 0, gpt2.GPT(cfg).init_weights, rank, dist.group.WORLD).to(device, dtype).train()
+        meter = moe_ep.meter
+        Layer = moe_ep.DeepSeekMoE if moe_ep.uses_deepseek(args) else moe_ep.MoE
+        layer = Layer(cfg, args, 0, gpt2.GPT(cfg).init_weights, rank, dist.group.WORLD).to(device, dtype).train()
         times, waits, mbs = [], [], []
         for i in range(iters + 2):
             x = h.clone().requires_grad_()
-            meter.seconds, meter.bytes = 0.0, 0.0
+            meter.take_a2a(), meter.take_mb()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
@@ -183,8 +187,9 @@ def time_options(world, rank, device, dtype, a, iters=5):
                 torch.cuda.synchronize(device)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
-                waits.append(meter.seconds)
-                mbs.append(meter.bytes / 1e6)
+                mb, ms = meter.take_a2a()
+                waits.append(ms / 1e3)
+                mbs.append(mb)
         results.append((name, statistics.median(times) * 1e3, statistics.median(waits) * 1e3, statistics.median(mbs)))
     return results
 
@@ -220,7 +225,7 @@ def main():
     send, recv = send.tolist(), recv.tolist()
     rows = torch.randn(a.rows, a.width, generator=g).to(device, dtype)
     group = dist.group.WORLD
-    ours = lambda x, s, r: moe_ep.AllToAll.apply(x, s, r, group)
+    ours = lambda x, s, r: moe_ep.AllToAll.apply(x, s, r, group, "bench")
     theirs = lambda x, s, r: funcol.all_to_all_single_autograd(x, r, s, group)
     t_ours, y1, g1 = time_a2a(ours, rows, send, recv, 10, device)
     t_theirs, y2, g2 = time_a2a(theirs, rows, send, recv, 10, device)
@@ -237,12 +242,16 @@ def main():
     out = tempfile.mkdtemp(prefix="bench_moe_ep_")
     common = ["--model", a.model, "--data", data, "--steps", str(a.steps), "--batch-size", str(a.batch_size),
               "--seq-len", str(a.seq_len), "--experts", str(a.experts), "--top-k", str(a.top_k),
-              "--eval-every", "0", "--device", a.device, "--time-a2a"]
+              "--eval-every", "0", "--device", a.device]
     options = time_options(world, rank, device, dtype, a)
     rows_out = []
     for ep in (1, world):
-        recs = moe_ep.train(common + ["--ep", str(ep), "--out", os.path.join(out, f"ep{ep}")])
+        recs = moe_ep.cli(common + ["--ep", str(ep), "--out", os.path.join(out, f"ep{ep}")])
         timed = [r for r in recs if "loss" in r][2:]
+        theory, cfg = argparse.Namespace(ep=ep, experts=a.experts, top_k=a.top_k, activation_checkpointing=False), gpt2.MODELS[a.model]
+        for r in timed:  # the all-to-all bytes if routing were uniform (dropless)
+            r["a2a_mb_theory"] = cfg.n_layer * moe_ep.a2a_bytes_uniform(theory, a.batch_size * a.seq_len,
+                                                                        cfg.n_embd * dtype.itemsize) / 1e6
         med = lambda k: statistics.median(r[k] for r in timed)
         rows_out.append((ep, med("tok_per_s"), med("dt_ms"), med("a2a_ms"), med("a2a_mb"), med("a2a_mb_theory"), med("comm_mb")))
 

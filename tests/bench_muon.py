@@ -67,8 +67,9 @@ def bench(args):
     def step_ours():
         for p, gr in zip(ours, grads):
             p.grad = gr
-        opt.reduce_scatter_grads()
-        opt.step()
+        opt.reduce_grads()
+        opt.step(0.02)
+        opt.all_gather_params()
 
     def step_torch():
         flat = torch.cat([gr.reshape(-1) for gr in grads])
@@ -111,7 +112,7 @@ def bench(args):
     scale = max(q.abs().max().item() for q in theirs)
     if rank == 0:
         print(f"{args.n_layer} blocks x 4 matrices, width {args.n_embd}, {n_bytes / 1e6:.1f} MB of fp32 matrices, "
-              f"{world} ranks, {device.type}, padding {opt.padding} floats")
+              f"{world} ranks, {device.type}, padding {world * opt.slab - n_bytes // 4} floats")
         print(f"| method | step ms | NS matrices / rank (max) | comm MB / rank / step | closed form | momentum MB / rank |")
         print("|---|---|---|---|---|---|")
         for name, ms, n_ns, mb, mb_closed, mom in rows:
@@ -210,7 +211,8 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024):
                 model = gpt2.GPT(gpt2.model_config(args))
             m, parts, rest = muon.split_params(model, "muon")
             comm = gpt2.CommMeter()
-            opt = (muon.Bf16Gather if gather_dtype == torch.bfloat16 else muon.Muon)(m, parts, rank=0, world=world, comm=comm)
+            opt = muon.Bf16Gather(m, parts, rank=0, world=world, comm=comm, steps=2) if gather_dtype == torch.bfloat16 \
+                else muon.Muon(m, parts, rank=0, world=world, comm=comm)  # Bf16Gather: this step's gather in bf16
             adamw = torch.optim.AdamW(rest, lr=1e-3)
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
@@ -219,10 +221,11 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024):
                 all_reduce_all(list(model.parameters()), world, comm)
                 km.step()
             else:
-                opt.reduce_scatter_grads()
+                opt.reduce_grads()
                 muon.all_reduce_grads(rest, torch.zeros((), device="meta"), world, comm)
-                muon.clip_coefficient(opt, rest, 1.0, world, comm)
-                opt.step()
+                opt.grad_sq_norm()  # the clip norm's scalar all-reduce
+                opt.step(0.02)
+                opt.all_gather_params()
             adamw.step()
             comm_mb = comm.take_mb()
             n, n_adamw, f = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in rest), (world - 1) / world
@@ -233,12 +236,13 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024):
                 closed = 2 * f * 4 * (n_adamw + 1) + f * S_pad + f * S_pad * (2 if gather_dtype == torch.bfloat16 else 4) / 4 + 2 * f * 4
             momentum = list((km if keller else opt).momentum_buf.values())
             optim = [t for st in adamw.state.values() for t in st.values() if t.dim() > 0] + momentum
-            buffers = [] if keller else {id(t): t for t in (opt.flat, opt.own, opt.send, opt.recv)}.values()
+            buffers = [] if keller else {id(t): t for t in (opt.flat, opt.own, *([opt.own16, opt.flat16] if gather_dtype
+                                                                                  == torch.bfloat16 else []))}.values()
             closed_mem = 4 * n + 4 * n + 8 * n_adamw + 4 * sum(t.numel() for t in momentum)
             rows.append({"setup": setup, "comm_MB": comm_mb, "comm_MB_closed": closed / 1e6,
                          "params_MB": _mb(model.parameters()), "grads_MB": _mb(p.grad for p in model.parameters()),
                          "optim_MB": _mb(optim), "act_MB": act, "mem_MB_closed": closed_mem / 1e6,
-                         "buffers_MB": _mb(buffers), "muon_MB": S / 1e6, "padding": opt.padding,
+                         "buffers_MB": _mb(buffers), "muon_MB": S / 1e6, "padding": S_pad // 4 - S // 4,
                          "how": f"fake PG rank 0 of {world}, meta device; act: CPU bf16 autocast at B=1,2, linear in B "
                                 f"(+{weight_copies:.0f} MB autocast weight copies not counted)"})
     finally:

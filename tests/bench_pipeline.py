@@ -41,11 +41,10 @@ import pipeline as pl  # noqa: E402
 from test_pipeline import TorchStage  # noqa: E402
 
 
-def gather_spans(pipe):
-    mine = [(op, a, b) for op, a, b in pipe.timeline.spans()]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
-    return out[: pipe.P]
+def gather_spans(pipe, x, y, name):
+    """One step timed op by op (pipeline.py's own measurement) -> every pipeline rank's [(op, start, end)]."""
+    measured = pl.measure_bubbles(pipe, x, y, [(name, pipe.run)])[name]
+    return [[(pl.Op(*op), a, b) for op, a, b in g["spans"]] for g in measured[: pipe.P]]
 
 
 def memory_now(device):
@@ -70,16 +69,11 @@ def before(cls):
                 self.kept.append(message[1])
             super().send(message, batch)
 
-        def _record_inputs(self, module):
-            super()._record_inputs(module)
-            recorded = module.forward
-
-            def keep_output(x):
-                y = recorded(x)
-                if self._tape is not None:
-                    self.kept.append(y)
-                return y
-            module.forward = keep_output
+        if issubclass(cls, pl.SplitBackward):
+            def record(self, module, inputs, output):
+                super().record(module, inputs, output)
+                if self.tape is not None:
+                    self.kept.append(output)
 
         def run(self, *a, **k):
             out = super().run(*a, **k)
@@ -100,7 +94,7 @@ def w_state_bytes(pipe):
 
 def peak_memory(pipe, x, y, M, device):
     """Run one step, sampling memory after every op; returns (peak above the step's start, peak W state) in MB."""
-    ops = {name: getattr(pipe, name) for name in ("_forward", "_backward", "_input_grad", "_weight") if hasattr(pipe, name)}
+    ops = {name: getattr(pipe, name) for name in ("forward", "backward")}
     peak, w_peak = [0], [0]
 
     def sampled(fn):
@@ -117,7 +111,7 @@ def peak_memory(pipe, x, y, M, device):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     start = peak[0] = memory_now(device)
-    pipe.run(x, y, 1.0 / M, timed=False)
+    pipe.run(x, y, 1.0 / M)
     if device.type == "cuda":
         peak[0] = torch.cuda.max_memory_allocated(device)
     for name in ops:
@@ -151,7 +145,7 @@ def legal_m(name, P, M):
 
 
 def main():
-    p = pl.make_parser()
+    p = pl.make_cli_parser()
     p.set_defaults(n_layer=8, n_embd=64, seq_len=32, batch_size=16, micro_batches=8, steps=5, out="out/bench_pipeline")
     p.add_argument("--quick", action="store_true", help="peak memory per rank only: no 'before', no timing, no torch")
     args = p.parse_args()
@@ -173,8 +167,8 @@ def main():
             continue
         pl.check_args(args, world)
         mem = {"before": (float("nan"), float("nan"))}
-        for kind, cls in (("before", before(pl.PIPELINES[name])), ("now", pl.PIPELINES[name]))[args.quick:]:
-            pipe = pl.build_pipeline(args, ctx, P, gpt2.CommMeter(), cls)
+        for kind, cls in (("before", before(pl.pipeline_class(name))), ("now", pl.pipeline_class(name)))[args.quick:]:
+            pipe = cls(args, ctx, P)
             peak_memory(pipe, x, y, M, ctx.device)  # warm-up: first-touch allocations
             mem[kind] = peak_memory(pipe, x, y, M, ctx.device)
         peaks = [None] * world
@@ -184,10 +178,10 @@ def main():
             continue
 
         def step():
-            pipe.run(x, y, 1.0 / M, align=True)
+            pipe.run(x, y, 1.0 / M)
             pipe.model.zero_grad(set_to_none=True)
         ms = time_steps(step, args.steps, ctx.device)
-        st = pl.bubble_stats(name, P, M, gather_spans(pipe), args.virtual_stages)
+        st = pl.bubble_stats(name, P, M, gather_spans(pipe, x, y, name), args.virtual_stages)
         rows.append((name, M, ms, st, peaks[:P]))
         if name == "1f1b":
             ours_1f1b, ours_pipe = ms, pipe
@@ -252,13 +246,13 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
     rows, T = [], seq_len
     for name, P, M, V in layouts:
         D = world // P
-        args = pl.make_parser().parse_args([
+        args = pl.make_cli_parser().parse_args([
             "--model", "gpt2", "--schedule", name, "--micro-batches", str(M), "--virtual-stages", str(V),
             "--batch-size", str(M), "--seq-len", str(T), "--dp", str(D), "--device", "cpu",
             "--dtype", "bfloat16", "--out", os.path.join("out", "per_rank_124m")])
         ctx = gpt2.Context(0, world, 0, torch.device("cpu"), torch.bfloat16, True)
-        comm = gpt2.CommMeter()
-        pipe = pl.build_pipeline(args, ctx, P, comm)
+        pipe = pl.pipeline_class(name)(args, ctx, P)
+        comm = pipe.comm
         params = list(pipe.model.parameters())
         param_ptrs = {p.data_ptr() for p in params}
         param_shapes = {tuple(p.shape) for p in params}  # and their bf16 copies that autocast saves
@@ -269,18 +263,18 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
                 saved.setdefault(key, {})[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
         pipe.current = None
-        forward = pipe._forward
+        forward = pipe.forward
 
-        def counted(op, h, xs, ys):
+        def counted(op, h):
             pipe.current = (op.stage, op.mb)
-            message = forward(op, h, xs, ys)
+            message = forward(op, h)
             pipe.current = None
             return message
-        pipe._forward = counted
+        pipe.forward = counted
         x = torch.randint(0, 50257, (M, T))
         scale = batch_size / M * seq_len / T
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            pipe.run(x, x, 1.0 / M, timed=False)
+            pipe.run(x, x, 1.0 / M)
         p2p = comm.take_mb() * scale
         pipe.sync_grads()  # allocates the gradients and counts the tied-embedding and replica all-reduces
         opt = gpt2.make_adamw(gpt2.optimizer_groups(pipe.model, 0.1), args, ctx.device)
@@ -289,7 +283,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
         for (stage, mb), storages in saved.items():
             per_mb[stage] = max(per_mb[stage], sum(storages.values()))
         mb_bytes = sum(per_mb.values())  # one micro-batch through all of this rank's stages
-        held = pipe.peak_held / len(pipe.my_stages)
+        held = pipe.peak_held / len(getattr(pipe, "my_stages", (0,)))
         n = sum(p.numel() for p in params)
         state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim() > 0)
         # messages rank 0 sends per step, in batches of (batch_size, seq_len, 768) bf16: 1f1b & co. one activation

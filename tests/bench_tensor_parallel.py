@@ -85,12 +85,16 @@ def main():
     args.tp = None  # all ranks form one TP group
     args.tp = tp.validate(args, gpt2.model_config(args), world)
     ctx = gpt2.setup(args)
-    grid = tp.grid_for(world, ctx.rank, world, args.sequence_parallel)
-    models = {"ours": tp.TensorParallelGPT(gpt2.build_model(args).to(ctx.device), grid)}
+    sp = args.sequence_parallel  # the classes tensor_parallel.cli picks for these flags
+    grid = tp.make_grid(world, ctx.rank, world, tp.SequenceParallelGrid if sp else tp.Grid)
+    model_class = tp.SequenceParallelGPT if sp else tp.TensorParallelGPT
+    models = {"ours": model_class(gpt2.build_model(args).to(ctx.device), grid)}
     grids = {"ours": grid}
     if args.overlap_comm:
-        grids["ours_overlap"] = tp.grid_for(world, ctx.rank, world, args.sequence_parallel, overlap_comm=True)
-        models["ours_overlap"] = tp.TensorParallelGPT(gpt2.build_model(args).to(ctx.device), grids["ours_overlap"])
+        grids["ours_overlap"] = tp.make_grid(world, ctx.rank, world,
+                                             tp.OverlapSequenceParallelGrid if sp else tp.OverlapCommGrid)
+        models["ours_overlap"] = (tp.SequenceParallelGPT if sp else tp.OverlapCommGPT)(
+            gpt2.build_model(args).to(ctx.device), grids["ours_overlap"])
     models["dtensor"], pad = dtensor_model(args, ctx, world)
     opts, loaders, times, losses = {}, {}, {k: [] for k in models}, {k: [] for k in models}
     for name, model in models.items():
@@ -113,7 +117,7 @@ def main():
                 with ctx.autocast():
                     loss = model(x, y)
                 loss.backward()
-                tp.sync_grads(model, grids[name])  # SP: LayerNorm/bias/wpe grads summed over TP
+                model.sync_grads()  # SP: LayerNorm/bias/wpe grads summed over TP
                 tp.clip_grad_norm(model, grids[name], args.grad_clip)
             else:
                 loss = dtensor_step(model, pad, x, y, ctx)
@@ -163,17 +167,17 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024):
     # TP=8 cannot cut GPT-2 124M's 12 heads (validate refuses it): the TP sizes that divide both
     sizes = [t for t in (world, world // 2, world // 4) if t > 1 and cfg.n_head % t == 0 and world % t == 0]
     for tp_size, sp in [(t, sp) for t in sizes for sp in (False, True)]:
-        grid = tp.grid_for(world, 0, tp_size, sp)
-        model = tp.TensorParallelGPT(copy.deepcopy(full), grid)
+        grid = tp.make_grid(world, 0, tp_size, tp.SequenceParallelGrid if sp else tp.Grid)
+        model = (tp.SequenceParallelGPT if sp else tp.TensorParallelGPT)(copy.deepcopy(full), grid)
         opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, torch.device("cpu"))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             blocks, head, loss = tp.saved_activation_bytes(model, x, y)
         loss.backward()
         micro_mb = grid.meter.take_mb()  # one micro-step at B=1
-        tp.sync_grads(model, grid)
+        model.sync_grads()
         tp.clip_grad_norm(model, grid, args.grad_clip)
         opt.step()
-        tp.all_reduce(loss.detach(), grid, group="dp")
+        tp.all_reduce(loss.detach(), grid, "loss dp", group="dp")
         step_mb = grid.meter.take_mb()
         n_local = sum(p.numel() for p in model.parameters())
         # closed form of this rank's parameters: the cut matmuls and wte over t, the rest whole

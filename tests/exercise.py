@@ -30,12 +30,15 @@ EXERCISES = {
         ("DataParallel.wait", "wait for the bucket's all-reduce, if one is in flight, and forget its work"),
     ],
     "fsdp2.py": [
+        ("NaiveZeRO3.reduce_scatter_grads", "after backward, for each parameter: its gradient cut into N row-blocks "
+                                            "(torch._chunk_cat), reduce-scatter (SUM), / N, added into the slice's "
+                                            ".grad; then free the full gradient and weight"),
         ("ShardedUnit.unshard", "wait for the unit's all-gather (start_gather issues it), give each padded "
-                                "parameter its storage back and copy every rank's rows into it"),
+                                "parameter its storage back and copy every rank's rows into it (one copy)"),
         ("ShardedUnit.reshard", "free each padded parameter's storage (resize it to 0 bytes), keeping the tensor"),
-        ("ShardedUnit.reduce_scatter_grads", "lay the full gradients out as the gathered buffer (row k = rank k's "
-                                             "rows, fp32) and reduce-scatter (SUM) it asynchronously; return "
-                                             "(work, out, buf)"),
+        ("ShardedUnit.reduce_scatter_grads", "lay the full gradients out rank-major in one fp32 buffer (N, "
+                                             "shard_numel) with one copy, reduce-scatter (SUM) it asynchronously; "
+                                             "return (work, out, buf, issue time)"),
     ],
     "tensor_parallel.py": [
         ("CopyToTP.backward", "f's backward: all-reduce (sum) the input gradient over the TP group"),
@@ -47,26 +50,32 @@ EXERCISES = {
                                               "softmax for backward"),
     ],
     "pipeline.py": [
+        ("naive_step", "all M forwards (stage > 0: dist.recv the activation from the rank above; pipe.compute("
+                       "Op('F', s, mb), h); not the last stage: dist.send the output down), then all M backwards the "
+                       "same way up (the output's gradient from below, the input's gradient sent up); pipe.start "
+                       "first, return pipe.loss_sum"),
         ("one_f_one_b", "1F1B's op list for one rank: P-1-rank warm-up forwards, then one forward one backward, "
                         "then the remaining backwards"),
-        ("Pipeline.run", "one step: issue the receives planned before the first op, then for each op: receive, "
-                         "compute, send (with the batch planned after it); wait for the sends; return the loss"),
+        ("Pipeline.run", "one step: self.start(x, y, scale), issue the receives planned before the first op, then "
+                         "for each op: wait for its planned receive (self.inbox[message_in(op, S)]), compute, send "
+                         "(with the batch planned after it); wait for the sends; return self.loss_sum"),
     ],
     "moe_ep.py": [
         ("AllToAll.backward", "the gradient of a received row goes back to its sender: the same exchange with the "
                               "splits swapped"),
         ("plan_dispatch", "sort the assignments by expert (keep_within_capacity), exchange the per-expert counts "
-                          "(all_to_all_single), and derive send/recv splits and rows per local expert: the Plan"),
+                          "(all_to_all), and derive send/recv splits and rows per local expert: the Plan"),
         ("combine_tokens", "the reverse exchange (splits swapped), then put each row back at its assignment "
                            "(index_copy into zeros: dropped assignments stay 0)"),
     ],
     "muon.py": [
         ("muon_update", "update the momentum (EMA form: lerp towards grad), take the Nesterov look-ahead, and "
                         "orthogonalise it as `parts` stacked row blocks"),
-        ("Muon.reduce_scatter_grads", "copy each gradient into its owner's slab of self.flat, reduce-scatter "
-                                      "into self.own and divide by the world size: the owners' mean gradients"),
-        ("Muon.all_gather_params", "all-gather every owner's updated matrices (self.send -> self.recv) and copy "
-                                   "the ones this rank does not own into the parameters"),
+        ("Muon.reduce_grads", "copy each gradient into its owner's slab of self.flat, reduce-scatter into "
+                              "self.own and divide by the world size: the owners' mean gradients"),
+        ("Muon.all_gather_params", "copy this rank's updated matrices into its slab (self.own), all-gather the "
+                                   "slabs into self.flat and copy the matrices this rank does not own into the "
+                                   "parameters"),
     ],
     "checkpoint.py": [
         ("write_durably", "write path.tmp, fsync it, rename it to path, fsync the directory; return (bytes, crc32)"),
@@ -79,7 +88,7 @@ EXERCISES = {
     ],
     "fp8.py": [
         ("quantize_1x128", "one scale per row per 128 columns: amax / 448 (powers of 2 when pow2), e4m3 values"),
-        ("_fp8_matmul_emulated", "for each 128-wide K chunk: the fp8 chunk product in fp32, scaled by the row's "
+        ("fp8_matmul", "for each 128-wide K chunk: the fp8 chunk product in fp32, scaled by the row's "
                                  "and the column's chunk scales, accumulated in fp32"),
     ],
 }
@@ -89,9 +98,10 @@ HINTS = {
     "test_ddp": "a loss that differs from step 1 on: are gradients divided by the world size (a mean, not a sum), "
                 "and every bucket waited for before the optimizer step? A hang or a timeout: do all ranks launch "
                 "the buckets in the same order?",
-    "test_fsdp2": "different from step 1 on: is the reduce-scatter a SUM then divided by the world size, and does "
-                  "each rank's row k hold rank k's rows of every gradient? A crash in backward ('modified by an "
-                  "inplace operation'): refill the padded tensor through .data, keep the tensor, free its storage.",
+    "test_fsdp2": "a gradient N times one process's: the reduce-scatter is a SUM, divide by the world size (all the "
+                  "ranks, also under HSDP); smaller at --grad-accum 2: add into the slice's .grad; gathered weights "
+                  "above the root + 2 units: reshard after each forward and backward. A crash in backward ('modified "
+                  "by an inplace operation'): refill the padded tensor through .data, keep the tensor, free its storage.",
     "test_tensor_parallel": "wrong from step 0: f and g are conjugates (f: identity forward, all-reduce backward; g: "
                             "all-reduce forward, identity backward) and the row-parallel bias is added once, after g; "
                             "the loss needs the global row max and the global sum of exp.",
@@ -114,11 +124,11 @@ HINTS = {
 # (the original line, the bug), expected to fail with a `what differs` section or the hint.
 CHECKS = {
     "ddp.py": ("two_ranks_match_one_process", ("1.0 / self.world", "1.0")),  # gradients summed, not averaged
-    "fsdp2.py": ("both_modes_match", ("out /= dist.get_world_size()", "out /= 1")),  # reduce-scatter summed
-    "tensor_parallel.py": ("parallel_layers_dtensor", ("return all_reduce(grad.contiguous(), ctx.grid), None",
-                                                       "return grad, None")),  # f's backward without its all-reduce
-    "pipeline.py": ("two_ranks_every_schedule", ("out = self.model.head_loss(h, ys[mb]) * self.scale",
-                                                 "out = self.model.head_loss(h, ys[mb])")),  # losses not scaled by 1/M
+    "fsdp2.py": ("gradients_after_one_step", ("out /= dist.get_world_size()", "out /= 1")),  # reduce-scatter summed
+    "tensor_parallel.py": ("parallel_layers_dtensor", ("return all_reduce(grad.contiguous(), ctx.grid, ctx.label), None, None",
+                                                       "return grad, None, None")),  # f's backward without its all-reduce
+    "pipeline.py": ("two_ranks_every_schedule", ("out = self.model.head_loss(h, self.ys[mb]) * self.scale",
+                                                 "out = self.model.head_loss(h, self.ys[mb])")),  # losses not scaled by 1/M
     "moe_ep.py": ("expert_parallel_equals_one_process", ("    flat /= world\n", "    flat /= n\n")),  # / EP group
     "fp8.py": ("fp8_matmul_vs_fp64", ("acc += partial * a_scales[:, k, None] * b_rows[None, :, k]",
                                       "acc += partial * a_scales[:, k, None] * b_rows[None, :, 0]")),  # every chunk, chunk 0's scale
@@ -158,24 +168,237 @@ BUGS = {
     ],
 
     "fsdp2.py": [
+        ("reduce-scatter summed, not averaged", "out /= dist.get_world_size()  # a mean", "out /= 1  # a mean",
+         "the loss curve barely moves (AdamW and clipping hide a constant scale), but every gradient is N times one "
+         "process's", "gradients_after_one_step_and", "a SUM over the ranks where a mean belongs"),
+        ("micro-steps overwritten, not accumulated",
+         "s.grad = piece.view_as(s) if s.grad is None else s.grad + piece.view_as(s)", "s.grad = piece.view_as(s)",
+         "right at --grad-accum 1; at 2 only the last micro-batch's gradient survives", "gradients_after_one_step_and",
+         "--grad-accum 2, one step vs one process"),
+        ("HSDP replicas summed: the mean over the shard group only", "out /= dist.get_world_size()  # a mean",
+         "out /= dist.get_world_size(unit.group)  # a mean", "plain FSDP is right; with --replicate 2 every gradient "
+         "is twice one process's", "hsdp_gradients", "hsdp, 4 ranks"),
+        ("--naive: gradients summed, not averaged", "s.grad = out.view_as(s) / self.world + ",
+         "s.grad = out.view_as(s) + ", "the real version is right; --naive's gradients are N times one process's",
+         "gradients_after_one_step_and", "naive, 2 ranks"),
+        ("every rank keeps rank 0's rows", "self.world)[dist.get_rank(group)]", "self.world)[0]",
+         "the sharded model is not the model: rank 1's slices hold rank 0's rows", "gradients_after_one_step_and",
+         "wrong rows"),
+        ("units never freed after forward", "unit.reshard()  # ZeRO-3: free", "pass  # ZeRO-3: free",
+         "the same losses, but every unit stays gathered from its forward to its backward (SHARD_GRAD_OP's memory)",
+         "gradients_after_one_step_and", "is each unit freed"),
     ],
 
     "tensor_parallel.py": [
+        ("the loss all-reduces the row max but never subtracts it",
+         """        exp = (logits - row_max.unsqueeze(1)).exp_()  # (N, V/t): shifted, so exp never overflows
+        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is on this rank
+        local_t = (targets - lo).masked_fill(~mine, 0)  # (N,)
+        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)  # (N,)
+        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid, "loss sums")  # (2, N)
+        loss = (stats[0].log() + row_max - stats[1]).mean()""",
+         """        exp = logits.exp()  # (N, V/t)
+        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is on this rank
+        local_t = (targets - lo).masked_fill(~mine, 0)  # (N,)
+        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)  # (N,)
+        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid, "loss sums")  # (2, N)
+        loss = (stats[0].log() - stats[1]).mean()""",
+         "training from scratch matches gpt2.py; from OpenAI's weights (logits near 1000) the loss is inf or nan",
+         "parallel_layers_dtensor", "loss_offset1000"),
+        ("the attention's row-parallel bias added on every rank, before g",
+         "        x = x + (exit_tp(y, self.grid, g) + self.attn_bias)  # g, then the bias once",
+         "        x = x + exit_tp(y + self.attn_bias, self.grid, g)  # g, then the bias once",
+         "from scratch (zero biases) the first steps match gpt2.py, then the curves part; pretrained weights are off "
+         "from step 0", "parallel_layers_dtensor", "block_out"),
+        ("gradients summed over the DP group instead of averaged",
+         "torch.cat([g.reshape(-1) for g in grads]).div_(self.grid.dp)",
+         "torch.cat([g.reshape(-1) for g in grads])",
+         "TP x DP runs track gpt2.py closely (AdamW and clipping hide a constant gradient scale) but the gradients "
+         "are d times too large", "parallel_layers_dtensor", "gradient after sync_grads"),
+        ("the clip norm counts each replicated gradient t times",
+         'torch.linalg.vector_norm(p.grad.float()) ** 2 / (1 if hasattr(p, "tp_split") else grid.tp)',
+         "torch.linalg.vector_norm(p.grad.float()) ** 2",
+         "the curve drifts from gpt2.py's only while clipping is active (a slightly larger norm, a smaller step)",
+         "parallel_layers_dtensor", "clip_norm"),
+        ("g's backward all-reduces the gradient as well (f and g not conjugate)",
+         """        return all_reduce(x, grid, label)
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None""",
+         """        ctx.grid = grid
+        return all_reduce(x, grid, label)
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.grid, "g backward"), None, None""",
+         "the loss is right at step 0 and wrong from step 1: every gradient below a row-parallel matmul is t times "
+         "too large", "parallel_layers_dtensor", "row_dx"),
+        ("the loss's backward subtracts the one-hot on every rank, not only on the target's owner",
+         "        one_hot = mine.to(softmax.dtype).unsqueeze(1)  # (N, 1): 1 where this rank holds the target, else 0",
+         "        one_hot = torch.ones_like(softmax[:, :1])  # (N, 1)",
+         "the loss is right at step 0, wrong from step 1; the embedding learns the wrong tokens",
+         "parallel_layers_dtensor", "loss_dwte"),
+        ("the vocab-parallel embedding's shard boundary off by one",
+         "    foreign = (idx < lo) | (idx >= hi)  # (B, T)",
+         "    foreign = (idx < lo) | (idx > hi)  # (B, T)",
+         "an IndexError on the first batch holding the token id t*V/t's boundary (25152 at TP=2), or a silently "
+         "doubled embedding row", "parallel_layers_dtensor", "vocab_parallel_embedding"),
     ],
 
     "pipeline.py": [
+        ("loss not scaled by 1/M", "out = self.model.head_loss(h, self.ys[mb]) * self.scale",
+         "out = self.model.head_loss(h, self.ys[mb])", "the logged loss is M times gpt2.py's from step 0, every "
+         "gradient M times too large", "two_ranks_every_schedule", "loss, naive rank"),
+        ("tied wte/lm_head gradients not summed", "        if self.P > 1 and (self.first or self.last):\n"
+         "            self.all_reduce(", "        if False:\n            self.all_reduce(",
+         "the curve drifts from gpt2.py after step 0; the first and last stage's wte differ", "two_ranks_every_schedule",
+         "norm of wte.weight"),
+        ("--dp gradients summed, not averaged", "            self.all_reduce(p.grad, self.dp_group)\n"
+         "            p.grad /= self.D\n", "            self.all_reduce(p.grad, self.dp_group)\n",
+         "--dp 2 runs drift from gpt2.py only slowly (AdamW hides a constant scale)", "four_ranks", "--dp 2 rank"),
+        ("clip norm not summed over the stages", "        if self.P > 1:\n            self.all_reduce(sq, self.pp_group)"
+         "  # the sum of squares over the stages\n", "", "each stage clips by its own norm: too little, from the "
+         "first clipped step", "two_ranks_every_schedule", "gradient clipped to half its norm"),
+        ("clip coefficient clamped the wrong way", "max=1.0)  # a tensor: no host sync",
+         "min=1.0)  # a tensor: no host sync", "gradients are never clipped: the coefficient never goes below 1",
+         "two_ranks_every_schedule", "gradient clipped to half its norm"),
+        ("--grad-accum not in the loss scale", "scale = 1.0 / (args.micro_batches * args.grad_accum)",
+         "scale = 1.0 / args.micro_batches", "at --grad-accum 2 the logged loss is twice gpt2.py's",
+         "two_ranks_every_schedule", "--grad-accum 2"),
+        ("1F1B with one warm-up forward too many", "warmup = min(P - 1 - rank, M)  # forwards",
+         "warmup = min(P - rank, M)  # forwards", "the same losses, but every rank holds one micro-batch more "
+         "than P - rank", "schedule_definitions", "one_f_one_b(2, 4, 0)"),
     ],
 
     "moe_ep.py": [
+        ("capacity rounds down", "math.ceil(self.cf * n_tokens * self.k / self.E)",
+         "int(self.cf * n_tokens * self.k / self.E)",
+         "with --capacity-factor a few more tokens are dropped than the factor allows; every EP layout still equals "
+         "one rank (they round alike)", "capacity_rounds_up", "expected ceil(6.25) = 7"),
+        ("gates never weight the expert outputs", "out = (y.view(self.k, -1, D) * gates.t().unsqueeze(-1)).sum(0)",
+         "out = y.view(self.k, -1, D).sum(0)",
+         "the router learns from the aux loss only; EP=2 still equals one rank, the loss is a little worse",
+         "dense_reference", "MoE.forward vs the dense reference"),
+        ("dense gradients summed over the world", "all_reduce_grads(dense, None, world, world)",
+         "all_reduce_grads(dense, None, world, 1)",
+         "the curves of 2 ranks move a little from one rank's (AdamW and clipping hide most of a 2x gradient)",
+         "one_sgd_step", "all_reduce_grads of the dense parameters"),
+        ("expert gradients divided by their replicas, not the world", "all_reduce_grads(experts, expert_dp_group, dp, world)",
+         "all_reduce_grads(experts, expert_dp_group, dp, dp)",
+         "nothing visible in the loss at EP=2 on 2 ranks (one replica: a 2x expert gradient, which AdamW hides)",
+         "one_sgd_step", "all_reduce_grads of the experts"),
+        ("micro-step loss not divided by --grad-accum", "((loss + aux) / args.grad_accum).backward()",
+         "(loss + aux).backward()",
+         "the logged loss is right (it is divided separately) and AdamW hides the 2x gradient",
+         "one_sgd_step", "not divided by --grad-accum"),
+        ("clip norm from this rank's experts only", "        dist.all_reduce(expert_sq, group=ep_group)\n",
+         "        expert_sq = expert_sq * 1  # this rank's experts only\n",
+         "EP runs clip a little less than one rank once the gradient norm exceeds --grad-clip",
+         "one_sgd_step", "clip_global_grad_norm"),
+        ("expert counts not summed over the ranks", "                dist.all_reduce(c)\n", "                c = c * 1\n",
+         "each rank balances its own batch: the aux loss, drop rate and expert-load picture differ from one rank's",
+         "expert_parallel_equals_one_process", "expert loads differ"),
     ],
 
     "fp8.py": [
+        ("gradients summed over the ranks, not averaged", "    flat /= world\n", "    flat /= 1\n",
+         "the loss curve looks fine (AdamW and clipping hide a factor of 2); every gradient is twice the mean",
+         "gradients_after_all_reduce", "after fp8.all_reduce_grads"),
+        ("the column's chunk scale left out of the promotion", "acc += partial * a_scales[:, k, None] * b_rows[None, :, k]",
+         "acc += partial * a_scales[:, k, None]", "every fp8 output is off by the weight's scale (~1e-3): the loss "
+         "barely moves", "fp8_matmul_vs_fp64", "fp8 GEMM vs fp64"),
+        ("wgrad re-cuts x with amax/448 scales", "quantize_1x128(x_hp.t(), pow2=True)", "quantize_1x128(x_hp.t())",
+         "training works, a little noisier: x is rounded twice on its way to wgrad", "pow2_scales_make_the_wgrad",
+         "Fp8LinearFn's wgrad"),
+        ("power-of-2 scales rounded down", "(bits + 0x007FFFFF) & 0x7F800000", "bits & 0x7F800000",
+         "a tile's largest values exceed 448 and saturate", "pow2_scales_make_the_wgrad", "_pow2_up must round"),
+        ("no amax floor", "_pow2_up(amax.clamp(min=AMAX_FLOOR) / FP8_MAX) if pow2 else amax.clamp(min=AMAX_FLOOR) / FP8_MAX",
+         "_pow2_up(amax / FP8_MAX) if pow2 else amax / FP8_MAX", "NaN as soon as a tile is all zeros (0 / 0)",
+         "extreme_magnitudes", "AMAX_FLOOR"),
+        ("the logged loss summed over the ranks", "    return t / world\n", "    return t\n",
+         "2-rank runs log twice the loss of one process", "two_rank_training_fp8_vs_baseline",
+         "train loss, fp8.py --fp8 off 2 ranks"),
     ],
 
     "muon.py": [
+        ("owners sum", "            self.own /= self.world\n", "",
+         "2 ranks train exactly like 1 (Newton-Schulz removes the scale) but the clip sees a 2x gradient norm",
+         "distributed_muon_equals_one_rank", "Muon.reduce_grads"),
+        ("naive version sums", "        p.grad /= world\n", "        pass\n",
+         "--naive trains almost like the owners: only the clip coefficient sees the N x gradient",
+         "distributed_muon_equals_one_rank", "naive_all_reduce"),
+        ("Nesterov from the wrong side", "u = grad.lerp(momentum, beta) if nesterov else momentum",
+         "u = momentum.lerp(grad, beta) if nesterov else momentum",
+         "it trains, a little worse than it should: the look-ahead leans on the gradient, not the momentum",
+         "torch_muon", "differs from torch.optim.Muon"),
+        ("clip not applied to Muon", "self._view(self.own, i).mul_(clip_coef)", "self._view(self.own, i)",
+         "the loss curve looks right: a constant scale vanishes in Newton-Schulz, only a clip that varies shows",
+         "torch_muon", "the clip coefficient"),
+        ("the gather sends gradients", "        for i in self.mine:\n            self._view(self.own, i).copy_(self.params[i])\n", "",
+         "several ranks diverge from one after the first step: every rank but the owner reads the gradient slab",
+         "distributed_muon_equals_one_rank", "all_gather_params"),
+        ("--no-nesterov ignored", "nesterov=args.nesterov", "nesterov=True",
+         "every run uses Nesterov momentum, whatever the flag says", "flags_reach_muon", "--no-nesterov"),
+        ("--muon-scale ignored", "scale=args.muon_scale", 'scale="original"',
+         "--muon-scale match_rms_adamw changes the default lr but not the update's scale",
+         "flags_reach_muon", "match_rms_adamw"),
+        ("AdamW gradients summed", "    flat /= world\n", "",
+         "2 ranks log twice the loss of 1 rank", "curve_two_ranks", "train loss, muon.py 2 ranks"),
     ],
 
     "checkpoint.py": [
+        ("the rename before the fsync",
+         "        os.fsync(f.fileno())  # the bytes on disk before the name: a crash never leaves `path` half-written\n"
+         "    os.replace(path + \".tmp\", path)  # atomic: path is the old file or the new one, never a mix\n",
+         "        os.replace(path + \".tmp\", path)  # atomic: path is the old file or the new one, never a mix\n"
+         "        os.fsync(f.fileno())  # the bytes on disk before the name: a crash never leaves `path` half-written\n",
+         "training and resuming look fine; after a power loss a committed name can point at empty or torn bytes",
+         "fsynced_then_renamed", "were not fsynced before the rename"),
+        ("no fsync of the directory after the rename",
+         "    fsync_dir(os.path.dirname(path))  # the rename itself durable\n", "",
+         "training and resuming look fine; after a power loss the rename (the commit itself) can be undone",
+         "fsynced_then_renamed", "was not fsynced after the rename"),
+        ("rank 0 commits before the other shards are durable",
+         "        with self.timeline.compute(\"gather\", \"all_gather\"):  # every rank's (bytes, crc32) to every rank\n"
+         "            reports = report.repeat(self.ctx.world, 1)\n"
+         "            if self.group is not None:  # returns once every shard is durable\n"
+         "                all_gather_single(reports.view(-1), report, group=self.group)\n"
+         "        if self.ctx.master:\n"
+         "            with self.timeline.compute(f\"commit {step}\", \"io\"):\n"
+         "                self.commit(step, d, reports, meta[\"loader\"])\n",
+         "        reports = report.repeat(self.ctx.world, 1)\n"
+         "        if self.ctx.master:\n"
+         "            with self.timeline.compute(f\"commit {step}\", \"io\"):\n"
+         "                self.commit(step, d, reports, meta[\"loader\"])\n"
+         "        with self.timeline.compute(\"gather\", \"all_gather\"):  # every rank's (bytes, crc32) to every rank\n"
+         "            if self.group is not None:  # returns once every shard is durable\n"
+         "                all_gather_single(reports.view(-1), report, group=self.group)\n",
+         "resumes work; a crash between the commit and a slow rank's write leaves a committed checkpoint with a "
+         "missing shard, and the manifest lists rank 0's checksum for every shard",
+         "fsynced_then_renamed", "renamed into place before rank 1's shard was durable"),
+        ("gradients summed over the ranks, not averaged",
+         "            self.grad_shard.div_(self.world)\n", "",
+         "the loss curve stays close to gpt2.py's (AdamW divides a constant scale away); the moments are N times too big",
+         "mean_gradient", "the reduce-scatter SUMs the ranks"),
+        ("AdamW's step count not restored",
+         "torch.tensor(float(step))", "torch.tensor(0.0)",
+         "the resumed loss jumps at the first step after the resume (the bias correction starts over)",
+         "every_piece", "AdamW's step count"),
+        ("the RNG state not restored",
+         "            torch.set_rng_state(rng[\"rng_cpu\"])\n", "            pass\n",
+         "nothing visible here (no dropout); with dropout or sampling the resumed run leaves the straight one",
+         "every_piece", "CPU RNG state"),
+        ("the loader position not restored",
+         "loader.load_state_dict(man[\"loader\"])  # a token offset", "pass  # a token offset",
+         "the resumed curve differs from the straight one from the first resumed step: it trains on data seen before",
+         "every_piece", "loader position"),
+        ("the snapshot a view of the live state",
+         "out = {k: v.to(\"cpu\", copy=True) for k, v in out.items()}", "out = {k: v.to(\"cpu\") for k, v in out.items()}",
+         "on CPU, a checkpoint holds weights from a later step than its name says; a resume from it is not bit-exact",
+         "snapshot_is_a_copy and Async", "not a copy"),
+        ("resharding reads each shard at this rank's offset",
+         "tensors[k][a - sh[\"lo\"]: b - sh[\"lo\"]]", "tensors[k][a - z.lo: b - z.lo]",
+         "a resume on as many ranks as wrote it works; on another world size it crashes or loads the wrong weights",
+         "every_piece", "read_slices"),
     ],
 }
 

@@ -1,22 +1,26 @@
-"""The one command for a machine with a GPU: does every file run there, and how fast?
+"""The one command for a machine with GPUs: does every file run there on NCCL, does it still equal gpt2.py, how fast?
 
-    python tests/gpu_check.py [--out OUT] [--minutes 8]
+    python tests/gpu_check.py [--out OUT] [--minutes 12] [--gpus N]
+    python tests/gpu_check.py --dry-run --gpus 8     # the rows it would run, without a GPU
+    python tests/gpu_check.py --smoke --gpus 2       # every equality row on the CPU (gloo), tiny model, to check the commands
 
-Each row is one real run of a file's CLI, in its own process with its own time limit; a row that fails
-is printed with its error, it does not stop the others. One table, and OUT/gpu_check.json.
-  1. gpt2.py train --model gpt2, bf16 + torch.compile + SDPA, B=16 T=1024: tokens/s, MFU, peak memory,
-     and the SDPA kernel the profiler saw (flash, memory-efficient, cuDNN or math).
-  2. Each technique at one rank on NCCL where one rank is meaningful (ddp, fp8 --fp8 on, muon, moe_ep
-     --ep 1, checkpoint save + resume): step time and peak memory. fsdp2, tensor_parallel and pipeline
-     need two GPUs (NCCL refuses two ranks on one device); they are listed as such.
-  3. tests/bench_fp8.py --scaled-mm-check: the real block-scaled `_scaled_mm` (no fallback) vs the emulation
-     in fp8.py's forward/dgrad/wgrad layouts; tests/bench_fp8.py: fp8 vs
-     bf16 GEMM TFLOP/s at 4096 and 8192, Fp8Linear fwd+bwd vs nn.Linear.
-What good looks like on one H100 SXM / H200 (goals: no GPU has run this file yet): MFU >= 50% for
-GPT-2 124M at B=16, T=1024 with compile, the flash kernel, ~1.5x fp8 over bf16 GEMM at 8192.
-The data is random tokens (speed does not depend on the text): the machine needs no network.
-On a machine without CUDA it says so in one line and exits 0; `--smoke` runs every row on the CPU with
-the tiny model instead, to check the commands themselves.
+Each row is one real run of a file's CLI (torchrun for several ranks), in its own process with its own time limit;
+a row that fails is printed with its error and does not stop the others. One table, and OUT/gpu_check.json.
+Rows, in this order, until --minutes runs out (the rest are listed as skipped):
+  1. equality (fp32, --deterministic: TF32 off, deterministic kernels, math attention; tiny model, 20 steps):
+     gpt2.py in one process, then with 2 GPUs on NCCL: ddp.py plain, --zero 1, --zero 2; fsdp2.py (and
+     --replicate 2 on 4 GPUs); tensor_parallel.py --tp 2 plain and with --sequence-parallel --overlap-comm;
+     pipeline.py, each --schedule; checkpoint.py saved on 2 ranks (one dies, --fail-at) and resumed on 1: each
+     against gpt2.py's losses. moe_ep.py --ep 2 (plain and with DeepSeek's options), muon.py and fp8.py on 2 ranks:
+     each against its own one-rank run with the same global batch. A row passes within 1e-5 (relative).
+  2. speed: gpt2.py train --model gpt2, bf16 + torch.compile + SDPA, B=16 T=1024 on one GPU (tokens/s, MFU, peak
+     allocated and reserved memory, the SDPA kernel the profiler saw); ddp.py, fsdp2.py and fp8.py at 124M on
+     every GPU.
+  3. fp8: tests/bench_fp8.py --scaled-mm-check (the real block-scaled `_scaled_mm` vs fp8.py's emulation in the
+     forward, dgrad and wgrad layouts, token counts that are and are not multiples of 128).
+With one GPU only the one-process and one-rank rows run (NCCL allows one rank per device). The data is random
+tokens (no network). Goals, not measurements (no GPU has run this yet): MFU >= 50% at 124M with compile, flash
+attention, every equality row within 1e-5.
 """
 import argparse
 import json
@@ -25,16 +29,148 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import gpt2  # noqa: E402
+
+EQUAL_TOL = 1e-5
+
+
+def plan(gpus, data, out, smoke=False):
+    """The rows for `gpus` GPUs: [{"row", "nproc", "argv" (file and flags), "kind", "ref", "out"}], in run order.
+    kind "ref" rows produce the losses "equal" rows are compared with; "speed" rows report step time; a "crash" row
+    is meant to die (checkpoint.py --fail-at) and the row after it resumes."""
+    device = ["--device", "cpu"] if smoke else ["--device", "cuda", "--deterministic"]
+    steps = "6" if smoke else "20"
+    eq = ["--model", "tiny", "--seq-len", "64", "--steps", steps, "--eval-every", "0", "--warmup", "2",
+          "--dtype", "float32", "--data", data, *device]
+    rows = []
+
+    def row(name, nproc, argv, kind, ref=None):
+        rows.append({"row": name, "nproc": nproc, "argv": argv + ["--out", os.path.join(out, name_dir(name))],
+                     "kind": kind, "ref": ref, "out": os.path.join(out, name_dir(name))})
+
+    # 1. equality. Global batch 8 everywhere: 2 data-parallel ranks x 4, or one model-parallel pair x 8.
+    row("gpt2.py fp32 B=8", 1, ["gpt2.py", "train", *eq, "--batch-size", "8"], "ref")
+    for name, extra in (("moe_ep.py 1 rank", []),
+                        ("moe_ep.py 1 rank, DeepSeek options", ["--gate", "sigmoid", "--balance", "bias",
+                                                                "--shared-expert", "--dispatch", "rank"])):
+        row(name, 1, ["moe_ep.py", *eq, "--batch-size", "8", "--ep", "1", *extra], "ref")
+    row("muon.py 1 rank", 1, ["muon.py", *eq, "--batch-size", "8"], "ref")
+    row("fp8.py 1 rank", 1, ["fp8.py", *eq, "--batch-size", "8"], "ref")
+    if not smoke:  # the fast path must be the one that ran: a silent row-wise fallback would pass the equality
+        rows[-1].update(expect="fp8 GEMM: blockwise (sm_90", forbid="failed")
+    if gpus >= 2:
+        gpt = "gpt2.py fp32 B=8"
+        for name, argv in (("ddp.py", ["ddp.py", "--batch-size", "4"]),
+                           ("ddp.py --zero 1", ["ddp.py", "--batch-size", "4", "--zero", "1"]),
+                           ("ddp.py --zero 2", ["ddp.py", "--batch-size", "4", "--zero", "2"]),
+                           ("fsdp2.py", ["fsdp2.py", "--batch-size", "4"]),
+                           ("tensor_parallel.py --tp 2", ["tensor_parallel.py", "--tp", "2", "--batch-size", "8"]),
+                           ("tensor_parallel.py --tp 2 SP + overlap", ["tensor_parallel.py", "--tp", "2", "--batch-size",
+                                                                       "8", "--sequence-parallel", "--overlap-comm"])):
+            row(name, 2, [*argv[:1], *eq, *argv[1:]], "equal", gpt)
+        for schedule in ("gpipe", "1f1b", "zbh1", "interleaved", "dualpipe", "dualpipev"):
+            extra = ["--virtual-stages", "2"] if schedule == "interleaved" else []
+            row(f"pipeline.py --schedule {schedule}", 2, ["pipeline.py", *eq, "--batch-size", "8", "--schedule",
+                                                          schedule, *extra], "equal", gpt)
+        ckpt = os.path.join(out, "ckpt_dir")
+        half = str(int(steps) // 2)  # saved at step `half`, the last rank dies 2 steps later, one rank resumes
+        row("checkpoint.py 2 ranks, saves, dies", 2, ["checkpoint.py", *eq, "--batch-size", "4", "--ckpt-dir", ckpt,
+                                                      "--save-every", half, "--fail-at", str(int(half) + 2)], "crash")
+        row("checkpoint.py resumed on 1 rank", 1, ["checkpoint.py", *eq, "--batch-size", "8", "--ckpt-dir", ckpt,
+                                                   "--save-every", half], "equal", gpt)
+        rows[-1]["argv"][-1] = rows[-2]["out"]  # the same --out: the resumed run continues its metrics
+        rows[-1]["out"] = rows[-2]["out"]
+        row("moe_ep.py --ep 2", 2, ["moe_ep.py", *eq, "--batch-size", "4", "--ep", "2"], "equal", "moe_ep.py 1 rank")
+        row("moe_ep.py --ep 2, DeepSeek options", 2, ["moe_ep.py", *eq, "--batch-size", "4", "--ep", "2", "--gate",
+                                                      "sigmoid", "--balance", "bias", "--shared-expert", "--dispatch",
+                                                      "rank"], "equal", "moe_ep.py 1 rank, DeepSeek options")
+        row("muon.py 2 ranks", 2, ["muon.py", *eq, "--batch-size", "4"], "equal", "muon.py 1 rank")
+        row("fp8.py 2 ranks", 2, ["fp8.py", *eq, "--batch-size", "4"], "equal", "fp8.py 1 rank")
+        if not smoke:
+            rows[-1].update(expect="fp8 GEMM: blockwise (sm_90", forbid="failed")
+    if gpus >= 4:
+        row("fsdp2.py --replicate 2 (HSDP, 4 ranks)", 4, ["fsdp2.py", *eq, "--batch-size", "2", "--replicate", "2"],
+            "equal", "gpt2.py fp32 B=8")
+    if smoke:
+        return rows
+    # 2. speed at 124M (bf16, compile): one GPU, then every GPU
+    fast = ["--model", "gpt2", "--batch-size", "16", "--seq-len", "1024", "--device", "cuda", "--data", data,
+            "--eval-every", "0", "--warmup", "5", "--lr", "6e-4", "--steps", "30", "--compile"]
+    row("gpt2.py 124M speed", 1, ["gpt2.py", "train", *fast], "speed")
+    for name in ("ddp.py", "fsdp2.py", "fp8.py") if gpus >= 2 else ():
+        row(f"{name} 124M speed, {gpus} GPUs", gpus, [name, *fast], "speed")
+    # 3. the real block-scaled GEMM against the emulation
+    rows.append({"row": "fp8 block-scaled _scaled_mm", "nproc": 1, "argv": ["tests/bench_fp8.py", "--scaled-mm-check"],
+                 "kind": "check", "ref": None, "out": None})
+    return rows
+
+
+def name_dir(name):
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_")
+
+
+def command(r, shown=False):
+    if shown:  # as a person types it
+        return ["python", *r["argv"]] if r["nproc"] == 1 else ["torchrun", "--standalone",
+                                                               f"--nproc_per_node={r['nproc']}", *r["argv"]]
+    if r["nproc"] == 1:
+        return [sys.executable, *r["argv"]]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r['nproc']}", *r["argv"]]
+
+
+def losses(out):
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if '"loss"' in line]
+
+
+def run_row(r, timeout, done):
+    """Run one row; return its result: ok, step time and memory, and for an equality row the largest relative
+    difference from its reference's losses."""
+    t0 = time.time()
+    res = {"row": r["row"], "cmd": " ".join(command(r)[1:])}
+    try:
+        proc = subprocess.run(command(r), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired:
+        return {**res, "ok": False, "error": f"timed out after {timeout:.0f} s"}
+    res["wall_s"] = round(time.time() - t0, 1)
+    if r["kind"] == "crash":  # meant to die (--fail-at): the next row resumes from what it committed
+        return {**res, "ok": proc.returncode != 0, **({} if proc.returncode else {"error": "did not die"})}
+    if proc.returncode != 0:
+        err = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+        return {**res, "ok": False, "error": " | ".join(err[-3:])[-400:]}
+    printed = proc.stdout + proc.stderr
+    if r.get("expect") and r["expect"] not in printed or r.get("forbid") and r["forbid"] in printed:
+        line = next((ln for ln in printed.splitlines() if "fp8 GEMM" in ln), "(no path line)")
+        return {**res, "ok": False, "error": f"expected {r['expect']!r}, not {r.get('forbid')!r}: {line}"}
+    if r["out"] is None:
+        return {**res, "ok": True, "stdout_tail": proc.stdout[-3000:]}
+    recs = losses(r["out"])
+    if not recs:
+        return {**res, "ok": False, "error": "no metrics.jsonl"}
+    steady = recs[len(recs) // 2:]
+    res.update(steps=len(recs), step_ms=round(sorted(x["dt_ms"] for x in steady)[len(steady) // 2], 1),
+               peak_mem_mb=round(recs[-1]["peak_mem_mb"]), peak_reserved_mb=round(recs[-1].get("peak_reserved_mb", 0)),
+               final_loss=round(recs[-1]["loss"], 6), ok=True)
+    if recs[-1].get("mfu") is not None:
+        res["mfu"] = round(100 * sorted(x["mfu"] for x in steady)[len(steady) // 2], 1)
+    if r["kind"] == "equal":
+        ref = [x["loss"] for x in losses(done[r["ref"]]["out"])] if r["ref"] in done else []
+        ours = [x["loss"] for x in recs]
+        if not ref or len(ref) != len(ours):
+            return {**res, "ok": False, "error": f"reference {r['ref']!r}: {len(ref)} losses vs {len(ours)}"}
+        worst = max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
+        res.update(max_rel_diff=float(f"{worst:.2e}"), ok=worst <= EQUAL_TOL)
+    return res
 
 
 def sdpa_kernel_used(device):
     """Run one causal SDPA at GPT-2 124M's shape in bf16 under the profiler; name the kernel it launched."""
+    import torch
     q = torch.randn(16, 12, 1024, 64, device=device, dtype=torch.bfloat16)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
@@ -47,112 +183,75 @@ def sdpa_kernel_used(device):
     return "unknown"
 
 
-def run_row(name, cmd, out, timeout):
-    """Run one CLI; return its last metrics record (plus wall time), or the error that ended it."""
-    t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"})
-    except subprocess.TimeoutExpired:
-        return {"row": name, "ok": False, "error": f"timed out after {timeout} s"}
-    row = {"row": name, "wall_s": round(time.time() - t0, 1), "cmd": " ".join(cmd[1:])}
-    if proc.returncode != 0:
-        err = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-        return {**row, "ok": False, "error": " | ".join(err[-3:])[-400:]}
-    path = os.path.join(out, "metrics.jsonl")
-    recs = []
-    if os.path.exists(path):
-        with open(path) as f:
-            recs = [json.loads(line) for line in f if '"loss"' in line]
-    if not recs:
-        return {**row, "ok": True, "stdout_tail": proc.stdout[-2000:]}
-    steady = recs[len(recs) // 2:] or recs  # skip the compile and warm-up steps
-    dt = sorted(r["dt_ms"] for r in steady)[len(steady) // 2]
-    last = recs[-1]
-    return {**row, "ok": True, "steps": len(recs), "step_ms": round(dt, 1),
-            "tok_per_s": round(last["tokens"] / (last["step"] + 1) / dt * 1e3),
-            "mfu": None if last.get("mfu") is None else round(100 * sorted(r["mfu"] for r in steady)[len(steady) // 2], 1),
-            "peak_mem_mb": round(last["peak_mem_mb"]), "final_loss": round(last["loss"], 4)}
-
-
-def main():
+def parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="out/gpu_check", help="directory for the runs and gpu_check.json")
-    p.add_argument("--smoke", action="store_true", help="on a machine without CUDA: every row on the CPU, tiny model")
-    p.add_argument("--row-timeout", type=int, default=150, help="seconds each row may take")
-    a = p.parse_args()
+    p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
+    p.add_argument("--minutes", type=float, default=12.0, help="time for all rows; rows that no longer fit are skipped")
+    p.add_argument("--row-timeout", type=int, default=240, help="seconds one row may take at most")
+    p.add_argument("--dry-run", action="store_true", help="print the rows for --gpus N and exit (no GPU needed)")
+    p.add_argument("--smoke", action="store_true", help="run the equality rows on the CPU (gloo, tiny model)")
+    return p
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
+    if a.gpus is not None and a.gpus < 1:
+        sys.exit(f"error: --gpus {a.gpus} (--gpus): give a positive number")
+    if a.dry_run:
+        for r in plan(a.gpus or 8, "DATA", "OUT", a.smoke):
+            cmp = f"  [vs {r['ref']}]" if r["kind"] == "equal" else ""
+            print(f"{r['kind']:6s} {r['row']}: {' '.join(command(r, shown=True))}{cmp}")
+        return
+    import numpy as np
+    import torch
+    import gpt2
     if not torch.cuda.is_available() and not a.smoke:
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine "
-              "(or pass --smoke to check the commands on the CPU)")
+              "(--dry-run lists the rows, --smoke runs them on the CPU)")
         return
+    gpus = a.gpus or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    if torch.cuda.is_available() and gpus > torch.cuda.device_count():
+        sys.exit(f"error: --gpus {gpus} but {torch.cuda.device_count()} are visible (--gpus): give at most that")
     os.makedirs(a.out, exist_ok=True)
     data = os.path.join(a.out, "data")
     rng = np.random.default_rng(0)
-    for split, n in (("train", 40_000_000 if not a.smoke else 200_000), ("val", 2_000_000 if not a.smoke else 50_000)):
+    for split, n in (("train", 200_000 if a.smoke else 40_000_000), ("val", 50_000 if a.smoke else 2_000_000)):
         if not os.path.exists(os.path.join(data, f"{split}_000000.bin")):
             gpt2.write_shard(os.path.join(data, f"{split}_000000.bin"), rng.integers(0, 50257, n))
-    if a.smoke:
-        size = ["--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--device", "cpu"]
-        steps, fast = 4, []
-    else:
-        size = ["--model", "gpt2", "--batch-size", "16", "--seq-len", "1024", "--device", "cuda"]
-        steps, fast = 30, ["--compile"]
-    common = [*size, "--data", data, "--eval-every", "0", "--warmup", "5", "--lr", "6e-4"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-
-    def out(name):
-        return os.path.join(a.out, name)
-
-    rows, info = [], {"torch": torch.__version__}
+    info = {"torch": torch.__version__, "gpus": gpus}
     if torch.cuda.is_available():
         dev = torch.device("cuda")
         info.update(device=torch.cuda.get_device_name(dev), capability=".".join(map(str, torch.cuda.get_device_capability(dev))),
-                    peak_bf16_tflops=(gpt2.peak_flops(torch.cuda.get_device_name(dev)) or 0) / 1e12,
-                    nccl=".".join(map(str, torch.cuda.nccl.version())))
+                    cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())))
         try:
             info["sdpa_kernel"] = sdpa_kernel_used(dev)
         except Exception as e:  # noqa: BLE001 - a row, not a crash
             info["sdpa_kernel"] = f"error: {e}"
-    plan = [
-        ("gpt2.py train (bf16, compile)", [sys.executable, "gpt2.py", "train", *common, "--steps", str(steps), *fast,
-                                          "--out", out("gpt2")], out("gpt2")),
-        ("ddp.py, 1 rank NCCL", [*torchrun, "ddp.py", *common, "--steps", str(steps), *fast, "--out", out("ddp")], out("ddp")),
-        ("fp8.py --fp8 on, 1 rank", [*torchrun, "fp8.py", *common, "--steps", str(steps), "--fp8", "on",
-                                     "--out", out("fp8")], out("fp8")),
-        ("muon.py, 1 rank", [*torchrun, "muon.py", *common, "--steps", str(steps), "--out", out("muon")], out("muon")),
-        ("moe_ep.py --ep 1", [*torchrun, "moe_ep.py", *common, "--steps", str(steps), "--ep", "1",
-                              "--out", out("moe")], out("moe")),
-        # --max-restarts 1 and --fail-at: the rank dies after step 12, torchrun restarts it, it resumes from step 10
-        ("checkpoint.py save, crash, resume", [*torchrun, "--max-restarts=1", "checkpoint.py", *common, "--steps",
-                                               str(steps), "--save-every", "5", "--fail-at", "12",
-                                               "--ckpt-dir", out("ckpt_dir"), "--out", out("ckpt")], out("ckpt")),
-    ]
-    for name, cmd, path in plan:
-        rows.append(run_row(name, cmd, path, a.row_timeout))
-        print(json.dumps(rows[-1]), flush=True)
-    for name in ("fsdp2.py", "tensor_parallel.py", "pipeline.py"):
-        rows.append({"row": name, "ok": None, "error": "needs >= 2 GPUs (NCCL allows one rank per device)"})
-    if torch.cuda.is_available():  # the real block-scaled call against the emulation (the CPU tests use a mock)
-        r = run_row("fp8 block-scaled _scaled_mm", [sys.executable, "tests/bench_fp8.py", "--scaled-mm-check"],
-                    out("none"), a.row_timeout)
-        rows.append(r)
-        print(r.get("stdout_tail", json.dumps(r)), flush=True)
-        r = run_row("bench_fp8.py", [sys.executable, "tests/bench_fp8.py"], out("none"), 2 * a.row_timeout)
-        rows.append(r)
-
-    print(f"\n## gpu_check: {info}")
-    print(f"| {'row':32s} | ok | {'step ms':>8s} | {'tok/s':>9s} | {'MFU %':>6s} | {'peak MB':>8s} | note")
-    print(f"|{'-' * 34}|----|{'-' * 10}|{'-' * 11}|{'-' * 8}|{'-' * 10}|------")
-    for r in rows:
+    print(f"## gpu_check: {info}", flush=True)
+    deadline, done, results = time.time() + 60 * a.minutes, {}, []
+    for r in plan(gpus, data, a.out, a.smoke):
+        left = deadline - time.time()
+        if left < 20:
+            results.append({"row": r["row"], "ok": None, "error": "skipped: --minutes ran out"})
+            continue
+        res = run_row(r, min(a.row_timeout, left), done)
+        done[r["row"]] = r
+        results.append(res)
+        print(json.dumps(res), flush=True)
+    print(f"\n| {'row':40s} | ok | {'max rel diff':>12s} | {'step ms':>8s} | {'MFU %':>6s} | {'peak MB':>8s} | {'reserved':>8s} | note")
+    print(f"|{'-' * 42}|----|{'-' * 14}|{'-' * 10}|{'-' * 8}|{'-' * 10}|{'-' * 10}|------")
+    for r in results:
         note = r.get("error") or (f"loss {r['final_loss']}" if "final_loss" in r else "")
-        print(f"| {r['row']:32s} | {'-' if r['ok'] is None else 'y' if r['ok'] else 'N':2s} | {r.get('step_ms', ''):>8} | "
-              f"{r.get('tok_per_s', ''):>9} | {r.get('mfu', '') if r.get('mfu') is not None else '':>6} | "
-              f"{r.get('peak_mem_mb', ''):>8} | {note}")
-    if rows[-1]["row"] == "bench_fp8.py" and rows[-1].get("stdout_tail"):
-        print("\n" + rows[-1]["stdout_tail"])
+        ok = "-" if r["ok"] is None else "y" if r["ok"] else "N"
+        print(f"| {r['row']:40s} | {ok:2s} | {r.get('max_rel_diff', ''):>12} | {r.get('step_ms', ''):>8} | "
+              f"{r.get('mfu', ''):>6} | {r.get('peak_mem_mb', ''):>8} | {r.get('peak_reserved_mb', ''):>8} | {note}")
+        if r.get("stdout_tail"):
+            print(r["stdout_tail"])
     with open(os.path.join(a.out, "gpu_check.json"), "w") as f:
-        json.dump({"info": info, "rows": rows}, f, indent=1)
+        json.dump({"info": info, "rows": results}, f, indent=1)
     print(f"wrote {a.out}/gpu_check.json")
+    return results
 
 
 if __name__ == "__main__":

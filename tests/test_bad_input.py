@@ -147,7 +147,7 @@ CASES += [  # checkpoint
 
 def entry(name):
     mod = importlib.import_module(name)
-    return getattr(mod, "main", None) or mod.train
+    return getattr(mod, "cli", None) or getattr(mod, "main", None) or mod.train  # cli: the core and its extensions
 
 
 def prepare_tmp(tmp):

@@ -53,7 +53,7 @@ def test_ddp_exercise_fails_reference_passes_bug_points_at_it(tmp_path):
 
 # The handout runs alone (issue 30): each file cut at its banner trains under torchrun and prints the same losses
 # as the whole file with the same flags. Flags a file's core needs on 2 ranks:
-CORE_FLAGS = {"ddp.py": [], "fsdp2.py": [], "tensor_parallel.py": ["--tp", "2"], "pipeline.py": [], "moe_ep.py": [],
+CORE_FLAGS = {"ddp.py": [], "fsdp2.py": [], "tensor_parallel.py": ["--tp", "2"], "pipeline.py": ["--micro-batches", "2"], "moe_ep.py": [],
               "fp8.py": [], "muon.py": [], "checkpoint.py": []}
 
 

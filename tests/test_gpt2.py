@@ -431,3 +431,29 @@ def test_default_data_is_prepared_by_rank_0_alone(tmp_path):
     assert run_distributed(_prepare_default_data, 2, str(tmp_path / "a"), False) == [(1, 5000), (0, 5000)]
     (rank0, msg0), (rank1, msg1) = run_distributed(_prepare_default_data, 2, str(tmp_path / "b"), True)
     assert (rank0, rank1) == (1, 0) and "offline" in msg0 and "rank 0 could not prepare data/shakespeare" in msg1
+
+
+def test_chunked_cross_entropy_equals_the_plain_loss_and_saves_no_full_logits(monkeypatch):
+    """Beyond LOSS_CHUNK rows the head and loss run chunk by chunk (issue 29: B=64, T=1024 would hold 13 GB of fp32
+    logits twice): the same loss and gradients as the plain path, and nothing of size (N, V) kept for backward."""
+    torch.manual_seed(0)
+    model = gpt2.GPT(gpt2.MODELS["tiny"])
+    idx, targets = torch.randint(0, 50257, (4, 64)), torch.randint(0, 50257, (4, 64))
+    params = [model.wte.weight, model.ln_f.weight, model.h[0].attn.c_attn.weight]
+
+    def loss_and_grads():
+        with gpt2.SavedBytes(exclude=model.parameters()) as saved:
+            loss = model(idx, targets)[1]
+        return loss, torch.autograd.grad(loss, params), saved.bytes
+
+    plain, plain_grads, plain_saved = loss_and_grads()
+    monkeypatch.setattr(gpt2, "LOSS_CHUNK", 50)  # 256 rows: 6 chunks, the last one short
+    chunked, chunked_grads, chunked_saved = loss_and_grads()
+    assert abs(chunked.item() - plain.item()) / plain.item() < 1e-6, (chunked.item(), plain.item())
+    for p, a, b in zip(("wte", "ln_f", "c_attn"), chunked_grads, plain_grads):
+        rel = ((a - b).abs().max() / b.abs().max()).item()
+        assert rel < 1e-5, f"chunked loss: d/d{p} differs by {rel:.1e} (relative to its largest entry)"
+    logits_bytes = 256 * model.config.padded_vocab * 4  # the plain path keeps the fp32 log-softmax, (N, V)
+    grad_w_bytes = model.wte.weight.numel() * 4  # the chunked path keeps d loss / d W instead, (V, C): not N's size
+    assert plain_saved - chunked_saved >= logits_bytes - grad_w_bytes, \
+        f"saved for backward: chunked {chunked_saved / 1e6:.1f} MB vs plain {plain_saved / 1e6:.1f} MB"

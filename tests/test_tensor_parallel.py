@@ -10,7 +10,7 @@ import torch
 
 import gpt2
 import tensor_parallel as tp
-from harness import max_rel_diff, read_metrics, run_distributed, train_losses
+from harness import assert_close, read_metrics, run_distributed, train_losses
 
 CFG = gpt2.GPTConfig(block_size=16, n_layer=1, n_head=4, n_embd=32)
 TINY = ["--model", "tiny", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--steps", "12",
@@ -21,15 +21,41 @@ def diff(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def grid_for(world, rank, sp=False, overlap=False):
+    """One TP group of all ranks, with the Grid subclass the cli picks for these flags."""
+    cls = (tp.OverlapSequenceParallelGrid if overlap else tp.SequenceParallelGrid) if sp else \
+        tp.OverlapCommGrid if overlap else tp.Grid
+    return tp.make_grid(world, rank, world, cls)
+
+
+def model_for(full, grid):
+    """The TensorParallelGPT subclass the cli picks for this grid."""
+    cls = tp.SequenceParallelGPT if isinstance(grid, tp.SequenceParallelGrid) else \
+        tp.OverlapCommGPT if isinstance(grid, tp.OverlapCommGrid) else tp.TensorParallelGPT
+    return cls(full, grid)
+
+
+def sum_replicated(model, grid):
+    """SP: the replicated parameters' grads saw T/t tokens on each rank: add them over TP (as
+    SequenceParallelGPT.sync_grads does)."""
+    for p in model.parameters():
+        if p.grad is not None and not hasattr(p, "tp_split"):
+            tp.all_reduce(p.grad, grid, "test")
+
+
 def _layers(rank, world):
     """Each piece on rank r of 2 against the unsplit gpt2 piece, same weights, same input, same upstream grad."""
     torch.manual_seed(0)
     full = gpt2.GPT(CFG)
+    with torch.no_grad():  # non-zero biases: a row-parallel bias added on every rank must show
+        for name, p in full.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
     B, T, E, t = 2, 8, CFG.n_embd, world
     x = torch.randn(B, T, E)
     out = {}
     for sp in (False, True):
-        grid = tp.grid_for(world, rank, world, sp)
+        grid = grid_for(world, rank, sp)
         seq = slice(rank * T // t, (rank + 1) * T // t) if sp else slice(None)
 
         # column-parallel c_attn (q, k, v each cut): f then the local matmul
@@ -39,6 +65,7 @@ def _layers(rank, world):
         gy = torch.randn_like(y_full)
         (y_full * gy).sum().backward()
         col = tp.ColumnParallelLinear(ref, grid, pieces=3)
+        col = tp.RegatherColumnLinear(col, "f") if sp else col
         xl = x[:, seq].clone().requires_grad_()
         y = col(tp.enter_tp(xl, grid))
         (y * tp.shard(gy, grid, 2, 3)).sum().backward()
@@ -59,7 +86,7 @@ def _layers(rank, world):
         y = tp.exit_tp(row(hl), grid) + bias
         (y * gy[:, seq]).sum().backward()
         if sp:  # each rank saw its tokens only: the replicated bias's grad is summed over TP
-            tp.all_reduce(bias.grad, grid)
+            tp.all_reduce(bias.grad, grid, "test")
         out[f"row_out_sp{sp}"] = diff(y, y_full.detach()[:, seq])
         out[f"row_dx_sp{sp}"] = diff(hl.grad, hf.grad[..., rank * 4 * E // t:(rank + 1) * 4 * E // t])
         out[f"row_dw_sp{sp}"] = diff(row.weight.grad, tp.shard(ref.weight.grad, grid, 1))
@@ -68,6 +95,8 @@ def _layers(rank, world):
 
         # the whole block, twice (the second block's input is the first one's output)
         blk = tp.ParallelBlock(copy.deepcopy(full.h[0]), grid)
+        if sp:
+            tp.wrap_columns([blk], tp.RegatherColumnLinear)
         xf = x.clone().requires_grad_()
         y_full = full.h[0](full.h[0](xf))
         gy = torch.randn_like(y_full)
@@ -76,7 +105,7 @@ def _layers(rank, world):
         y = blk(blk(xl))
         (y * gy[:, seq]).sum().backward()
         if sp:
-            tp.sync_grads(blk, grid)
+            sum_replicated(blk, grid)
         out[f"block_out_sp{sp}"] = diff(y, y_full.detach()[:, seq])
         out[f"block_dx_sp{sp}"] = diff(xl.grad, xf.grad[:, seq])
         out[f"block_dln_sp{sp}"] = diff(blk.ln_1.weight.grad, full.h[0].ln_1.weight.grad)
@@ -101,11 +130,35 @@ def _layers(rank, world):
         out[f"loss_dh_sp{sp}"] = diff(hl.grad, hf.grad[:, seq])
         out[f"loss_dwte_sp{sp}"] = diff(wte.grad, tp.shard(full.wte.weight.grad, grid))
         full.zero_grad()
-    out["dtensor"] = _dtensor_block(rank, world, full, x)
-    out["overlap"] = _overlap_comm(rank, world)
-    out["toy"] = _toy_model(rank, world)
-    out["activations"] = _activations(rank, world)
+        # logits with a large offset (OpenAI's weights give logits near 1000): the row max must be subtracted
+        big = tp.vocab_parallel_cross_entropy(logits.detach() + 1000.0, idx.flip(1), grid, CFG.vocab_size)
+        ref_big = gpt2.cross_entropy(full.logits(hf).detach() + 1000.0, idx.flip(1))
+        out[f"loss_offset1000_sp{sp}"] = abs(big.item() - ref_big.item()) / ref_big.item()
+    out["clip_norm"] = _clip_norm(rank, world, full)
     return out
+
+
+def _layers_then_the_rest(rank, world):
+    out = _layers(rank, world)
+    torch.manual_seed(0)
+    full = gpt2.GPT(CFG)
+    x = torch.randn(2, 8, CFG.n_embd)
+    return out, {"dtensor": _dtensor_block(rank, world, full, x), "overlap": _overlap_comm(rank, world),
+                 "toy": _toy_model(rank, world), "activations": _activations(rank, world)}
+
+
+def _clip_norm(rank, world, full):
+    """clip_grad_norm's global norm of a 2-block TensorParallelGPT vs torch's clip_grad_norm_ on gpt2.GPT: sharded
+    squares summed over TP, replicated ones (LayerNorms, biases, wpe) counted once. Relative difference."""
+    torch.manual_seed(5)
+    full = gpt2.GPT(gpt2.GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=32))
+    idx = torch.randint(0, 50257, (2, 8), generator=torch.Generator().manual_seed(3))
+    ref = copy.deepcopy(full)
+    ref(idx, idx.roll(1, 1))[1].backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9).item()
+    model = tp.TensorParallelGPT(full, grid_for(world, rank))
+    model(idx, idx.roll(1, 1)).backward()
+    return abs(tp.clip_grad_norm(model, model.grid, 1e9).item() - expected) / expected
 
 
 def _activations(rank, world):
@@ -118,7 +171,7 @@ def _activations(rank, world):
     for B, T in ((2, 16), (3, 32)):
         idx = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(B))
         for sp in (False, True):
-            model = tp.TensorParallelGPT(copy.deepcopy(full), tp.grid_for(world, rank, world, sp))
+            model = model_for(copy.deepcopy(full), grid_for(world, rank, sp))
             blocks, head, _ = tp.saved_activation_bytes(model, idx, idx)
             closed = tp.activation_bytes_closed_form(cfg, B, T, world, sp)
             out[(B, T, sp)] = (blocks - closed[0], head - closed[1], blocks)
@@ -135,9 +188,9 @@ def _overlap_comm(rank, world):
     for sp in (False, True):
         grads = []
         for overlap in (False, True):
-            model = tp.TensorParallelGPT(copy.deepcopy(full), tp.grid_for(world, rank, world, sp, overlap))
+            model = model_for(copy.deepcopy(full), grid_for(world, rank, sp, overlap))
             model(idx, idx.roll(1, 1)).backward()
-            tp.sync_grads(model, model.grid)
+            model.sync_grads()
             grads.append({n: p.grad for n, p in model.named_parameters()})
         out[f"sp{sp}"] = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])
         out[f"sp{sp}_n"] = len(grads[0])
@@ -170,13 +223,20 @@ class ToyTP(torch.nn.Module):
         self.grid = grid
         self.emb = tp.split_param(toy.emb.weight, grid)  # (64/t, 16): the embedding and the head
         self.fc1 = tp.ColumnParallelLinear(toy.fc1, grid)
+        if isinstance(grid, (tp.SequenceParallelGrid, tp.OverlapCommGrid)):  # the column matmul of the extension
+            self.fc1 = (tp.RegatherColumnLinear if isinstance(grid, tp.SequenceParallelGrid) else
+                        tp.OverlapColumnLinear)(self.fc1, "fc1 f")
         self.fc2 = tp.RowParallelLinear(toy.fc2, grid)
         self.unused = toy.unused
 
     def forward(self, idx, targets):
         x = tp.vocab_parallel_embedding(idx, self.emb, self.grid)  # (B, T, 16), SP: (B, T/t, 16)
         x = x + self.fc2(torch.nn.functional.gelu(self.fc1(tp.enter_tp(x, self.grid))))
-        logits = self.grid.column_linear(tp.enter_tp(x, self.grid), self.emb, None)  # (B, T, 64/t)
+        h = tp.enter_tp(x, self.grid)
+        fn = tp.LinearRegatherInput if isinstance(self.grid, tp.SequenceParallelGrid) else \
+            tp.LinearOverlapAllReduce if isinstance(self.grid, tp.OverlapCommGrid) else None
+        logits = tp.column_function(fn, h, self.emb, None, self.grid, "head f") if fn else \
+            torch.nn.functional.linear(h, self.emb)  # (B, T, 64/t)
         return tp.vocab_parallel_cross_entropy(logits, targets, self.grid)
 
 
@@ -192,14 +252,15 @@ def _toy_model(rank, world):
     batches = [torch.randint(0, 64, (2, 9), generator=gen) for _ in range(4)]
     out = {}
     for sp, overlap in ((False, False), (True, False), (False, True)):
-        grid = tp.grid_for(world, rank, world, sp, overlap)
+        grid = grid_for(world, rank, sp, overlap)
         ref, ours = copy.deepcopy(toy), ToyTP(copy.deepcopy(toy), grid)
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours)]
         for i, b in enumerate(batches):
             losses = [ref(b[:, :8], b[:, 1:]), ours(b[:, :8], b[:, 1:])]
             for model, loss in zip((ref, ours), losses):
                 loss.backward()
-            tp.sync_grads(ours, grid)
+            if sp:
+                sum_replicated(ours, grid)
             out[f"sp{sp}_ov{overlap}_loss{i}"] = abs(losses[1].item() - losses[0].item()) / losses[0].item()
             if i == 3:
                 break
@@ -264,15 +325,15 @@ def test_bad_sizes_fail_before_any_collective(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     base = ["--device", "cpu", "--model", "tiny"]
     with pytest.raises(ValueError, match="--tp 3 does not divide the 4 ranks"):
-        tp.main(base + ["--tp", "3"])
+        tp.cli(base + ["--tp", "3"])
     with pytest.raises(ValueError, match="3 heads cannot be split over 2 ranks"):
-        tp.main(base + ["--tp", "2", "--n-head", "3", "--n-embd", "96"])
+        tp.cli(base + ["--tp", "2", "--n-head", "3", "--n-embd", "96"])
     with pytest.raises(ValueError, match="--seq-len 30 is not divisible"):
-        tp.main(base + ["--tp", "4", "--sequence-parallel", "--seq-len", "30"])
+        tp.cli(base + ["--tp", "4", "--sequence-parallel", "--seq-len", "30"])
     # 50304 = 2^7 * 3 * 131 divides by 2, 3, 4, 6, 8 ranks, not by 5
     monkeypatch.setenv("WORLD_SIZE", "5")
     with pytest.raises(ValueError, match="padded vocabulary 50304 is not divisible by 5"):
-        tp.main(base + ["--tp", "5", "--n-head", "5", "--n-embd", "40"])
+        tp.cli(base + ["--tp", "5", "--n-head", "5", "--n-embd", "40"])
 
 
 def _train(rank, world, runs):
@@ -281,66 +342,104 @@ def _train(rank, world, runs):
     for argv in runs:
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            tp.main(argv)
+            tp.cli(argv)
         printed.append(buf.getvalue())
     return printed
 
 
-def _layers_then_train(rank, world, runs):
-    return _layers(rank, world), _train(rank, world, runs)
+def _dp_grads(rank, world):
+    """TP=2 x DP=2: each DP rank's batch through its TP group, then sync_grads; every gradient vs gpt2.GPT's on
+    both batches (the mean loss over the 4 sequences): relative difference per tensor."""
+    torch.manual_seed(0)
+    full = gpt2.GPT(gpt2.GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=32))
+    idx = torch.randint(0, 50257, (4, 8), generator=torch.Generator().manual_seed(4))
+    ref = copy.deepcopy(full)
+    ref(idx, idx.roll(1, 1))[1].backward()
+    model = tp.TensorParallelGPT(full, tp.make_grid(world, rank, 2))
+    rows = slice(2 * model.grid.dp_rank, 2 * model.grid.dp_rank + 2)
+    model(idx[rows], idx.roll(1, 1)[rows]).backward()
+    model.sync_grads()
+    refs = dict(ref.named_parameters())
+    out = {}
+    for name, p in model.named_parameters():
+        full_name = name.replace("attn_bias", "attn.c_proj.bias").replace("mlp_bias", "mlp.c_proj.bias")
+        r = refs[full_name if "." in full_name else full_name + ".weight"].grad
+        r = tp.shard(r, model.grid, *p.tp_split) if hasattr(p, "tp_split") else r
+        out[name] = diff(p.grad, r)
+    return out
 
 
-def test_parallel_layers_dtensor_block_and_training_match_gpt2(random_data, tmp_path, monkeypatch):
-    """One process group of 2 checks every layer, then trains TP=2 and TP=2 + SP; one of 4 trains
-    TP=2 x DP=2 + SP. Same seed, same global batch of 8: gpt2.py train's losses and final weights.
-    The group of 2 also runs TP=2 in bf16 (3 steps, vs `gpt2.py train --dtype bfloat16`) and with
-    --compile (3 steps, vs the eager TP=2 run's steps 0-2)."""
+def test_parallel_layers_dtensor_overlap_toy_vs_unsplit():
+    """Per layer first (2 ranks): every parallel piece vs the unsplit gpt2 piece (non-zero biases, logits offset
+    by +1000, the clip norm), with and without SP; then our block vs DTensor's, --overlap-comm's gradients, a
+    toy model, and the activations' closed form. Then TP=2 x DP=2 (4 ranks): every gradient after sync_grads."""
+    torch.set_num_threads(1)
+    for rank, (res, rest) in enumerate(run_distributed(_layers_then_the_rest, 2, timeout=300)):
+        bad = {k: f"{v:.1e}" for k, v in res.items() if not v < 1e-5}
+        assert not bad, f"rank {rank}: per-layer relative difference from the unsplit layer above 1e-5: {bad}"
+        assert len(res) == 2 * 16 + 1, sorted(res)
+        dt, overlap, toy, acts = rest["dtensor"], rest["overlap"], rest["toy"], rest["activations"]
+        assert all(v < 1e-5 for v in dt.values()), f"rank {rank}: our block vs DTensor's above 1e-5: {dt}"
+        assert overlap == {"spFalse": 0.0, "spFalse_n": 28, "spTrue": 0.0, "spTrue_n": 28}, \
+            f"rank {rank}: --overlap-comm's gradients differ from the plain run (expected 0.0, 28 tensors): {overlap}"
+        assert len(toy) == 3 * 9 + 5 and all(v < 1e-5 for v in toy.values()), f"rank {rank} toy above 1e-5: {toy}"
+        # activations vs their closed form: tolerance 0 bytes (measured: exact, both parts, TP and SP)
+        assert len(acts) == 4 and all(a[:2] == (0, 0) and a[2] > 0 for a in acts.values()), \
+            f"rank {rank}: activation bytes measured - closed form (expected 0, 0): {acts}"
+    for rank, res in enumerate(run_distributed(_dp_grads, 4, timeout=300)):
+        bad = {k: f"{v:.2e}" for k, v in res.items() if not v < 1e-5}
+        assert not bad, f"rank {rank}: gradient after sync_grads vs gpt2's on the whole batch (the DP mean), " \
+                        f"relative difference above 1e-5 (2.0e+00 = summed, not averaged): {bad}"
+
+
+def _train_and_draw(rank, world, runs):
+    """_train, and the labels the first run's timeline drew."""
+    printed = []
+    for i, argv in enumerate(runs):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            model, _ = tp.cli(argv)
+        printed.append(buf.getvalue())
+        if i == 0:
+            labels = sorted({span[0] for span in model.grid.timeline.spans})
+    return printed, labels
+
+
+def test_training_matches_gpt2(random_data, tmp_path, monkeypatch):
+    """Whole runs, same seed, same global batch of 8: TP=2 and TP=2 + SP at --grad-accum 2 (2 ranks) and
+    TP=2 x DP=2 + SP (4 ranks) vs gpt2.py train's losses, final weights and bytes per step; TP=2 in bf16
+    (3 steps, vs `gpt2.py train --dtype bfloat16`), with --compile (3 steps, vs the eager run's steps 0-2), and
+    a 60-step curve (batch 2) vs gpt2.py's. The first run draws OUT/timeline.png with each block's f and g."""
     data, base, base_bf16 = ["--data", random_data], str(tmp_path / "base"), str(tmp_path / "base_bf16")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     gpt2.train(["--batch-size", "8", "--out", base] + TINY + data)
     short = ["--tp", "2", "--batch-size", "8", "--steps", "3"]
     gpt2.train(["--batch-size", "8", "--out", base_bf16] + TINY + data + short[2:] + ["--dtype", "bfloat16"])
+    long = ["--batch-size", "2", "--steps", "60", "--warmup", "5"]
+    gpt2.train(TINY + data + long + ["--out", str(tmp_path / "base_long")])
     runs = {"tp2": ["--tp", "2", "--batch-size", "8"],
             "tp2_sp": ["--tp", "2", "--sequence-parallel", "--batch-size", "4", "--grad-accum", "2"],
             "tp2_dp2_sp": ["--tp", "2", "--sequence-parallel", "--batch-size", "4"],
             "tp2_bf16": short + ["--dtype", "bfloat16"],
-            "tp2_compile": short + ["--compile"]}
+            "tp2_compile": short + ["--compile"],
+            "tp2_long": ["--tp", "2"] + long}
     argv = {k: TINY + data + v + ["--out", str(tmp_path / k)] for k, v in runs.items()}
-    two = run_distributed(_layers_then_train, 2, [argv[k] for k in ("tp2", "tp2_sp", "tp2_bf16", "tp2_compile")],
-                          timeout=600)
-    printed = two[0][1][:2] + run_distributed(_train, 4, [argv["tp2_dp2_sp"]], timeout=240)[0]
-
-    # bf16: within 3e-5 of gpt2.py's bf16 losses (measured 3.1e-6: the partial sums of the row-parallel
-    # matmuls are rounded to bf16 before the all-reduce adds them); the probe shows bf16's halved activations
-    bf16_gap = max_rel_diff(train_losses(tmp_path / "tp2_bf16"), train_losses(base_bf16))
-    assert bf16_gap <= 3e-5, bf16_gap
-    mb = [float(next(l for l in out.splitlines() if l.startswith("activation memory")).split(": ")[1].split(" MB")[0])
-          for out in (two[0][1][0], two[0][1][2])]
-    assert mb[1] < 0.75 * mb[0], mb  # fp32 run, bf16 run
-    # --compile: the same losses as eager at steps 0-2 (measured: identical)
-    compile_gap = max_rel_diff(train_losses(tmp_path / "tp2_compile"), train_losses(tmp_path / "tp2")[:3])
-    assert compile_gap <= 1e-6, compile_gap
-
-    for rank, (res, _) in enumerate(two):
-        dt = res.pop("dtensor")
-        overlap, toy = res.pop("overlap"), res.pop("toy")
-        # activations vs their closed form: tolerance 0 bytes (measured: exact, both parts, TP and SP)
-        acts = res.pop("activations")
-        assert len(acts) == 4 and all(a[:2] == (0, 0) and a[2] > 0 for a in acts.values()), f"rank {rank}: {acts}"
-        assert overlap == {"spFalse": 0.0, "spFalse_n": 28, "spTrue": 0.0, "spTrue_n": 28}, overlap
-        assert len(toy) == 3 * 9 + 5 and all(v < 1e-5 for v in toy.values()), f"rank {rank} toy: {toy}"
-        bad = {k: v for k, v in res.items() if not v < 1e-5}
-        assert not bad, f"rank {rank}: {bad}"
-        assert len(res) == 2 * 15
-        assert all(v < 1e-5 for v in dt.values()), f"rank {rank} vs DTensor: {dt}"
+    two = run_distributed(_train_and_draw, 2, [argv[k] for k in ("tp2", "tp2_sp", "tp2_bf16", "tp2_compile",
+                                                                 "tp2_long")], timeout=600)
+    printed = two[0][0][:2] + run_distributed(_train, 4, [argv["tp2_dp2_sp"]], timeout=240)[0]
 
     ref = torch.load(os.path.join(base, "model.pt"))["model"]
     for (name, out), stdout in zip(list(argv.items())[:3], printed):
         out = out[-1]
-        assert max_rel_diff(train_losses(out), train_losses(base)) <= 1e-4, name
+        assert_close(f"train loss, tensor_parallel.py {name} fp32 vs gpt2.py", train_losses(out), train_losses(base),
+                     1e-4, hint="per-layer checks passed, so look at the loop: sync_grads, clip_grad_norm, grad-accum")
         recs = [r for r in read_metrics(out) if "loss" in r]
-        assert all(abs(r["comm_mb"] - r["comm_closed_form_mb"]) <= 1e-6 * r["comm_closed_form_mb"] for r in recs), name
+        line = next(l for l in stdout.splitlines() if l.startswith("communication per step per rank"))
+        closed = float(line.split(" MB closed form")[0].rsplit(" ", 1)[1])  # printed to 3 decimals
+        sent = [r["comm_mb"] for r in recs]
+        assert all(abs(m - closed) <= 5e-4 for m in sent), f"{name}: bytes per step {sent} MB measured vs " \
+                                                          f"{closed} MB closed form ({line})"
         assert recs[0]["comm_mb"] > 0
         # the TP group's gathered weights are gpt2's. The key bias is excluded: its true gradient is 0
         # (a constant added to every key shifts all scores of a query equally), so its grad is rounding
@@ -351,12 +450,33 @@ def test_parallel_layers_dtensor_block_and_training_match_gpt2(random_data, tmp_
             keep = torch.ones(ref[k].shape[0], dtype=torch.bool)
             if k.endswith("attn.c_attn.bias"):
                 keep[ref[k].numel() // 3: 2 * ref[k].numel() // 3] = False
-            assert (got[k][keep] - ref[k][keep]).abs().max() <= 1e-5, (name, k)
+            worst = (got[k][keep] - ref[k][keep]).abs().max().item()
+            assert worst <= 1e-5, f"{name}: final weight {k} differs from gpt2.py's by {worst:.1e} (tolerance 1e-5)"
         lines = [l for l in stdout.splitlines() if l.startswith("activation memory")]
         blocks = [float(l.split(": ")[1].split(" MB")[0]) for l in lines]
         assert len(blocks) == 2 and blocks[1] < blocks[0], lines
         closed = [float(l.split("(closed form ")[1].split(")")[0]) for l in lines]
         assert closed == blocks, lines  # the printed closed form beside the measurement, fp32
+
+    # 60 steps (batch 2, warmup 5): the curve holds (measured max relative difference: see tests/README.md)
+    assert_close("train loss, tensor_parallel.py --tp 2 fp32 vs gpt2.py, 60 steps batch 2",
+                 train_losses(tmp_path / "tp2_long"), train_losses(tmp_path / "base_long"), 1e-4)
+    # bf16: within 3e-5 of gpt2.py's bf16 losses (measured 3.1e-6: the partial sums of the row-parallel
+    # matmuls are rounded to bf16 before the all-reduce adds them); the probe shows bf16's halved activations
+    assert_close("train loss, tensor_parallel.py --tp 2 bf16 vs gpt2.py bf16", train_losses(tmp_path / "tp2_bf16"),
+                 train_losses(base_bf16), 3e-5)
+    mb = [float(next(l for l in out.splitlines() if l.startswith("activation memory")).split(": ")[1].split(" MB")[0])
+          for out in (two[0][0][0], two[0][0][2])]
+    assert mb[1] < 0.75 * mb[0], f"activation MB fp32 run, bf16 run: {mb} (bf16 expected below 0.75x)"
+    # --compile: the same losses as eager at steps 0-2 (measured: identical)
+    assert_close("train loss, tensor_parallel.py --tp 2 --compile vs eager", train_losses(tmp_path / "tp2_compile"),
+                 train_losses(tmp_path / "tp2")[:3], 1e-6)
+    # the picture: each block's f and g, the embedding's g, the loss's all-reduces, compute between them
+    labels = two[0][1]
+    expected = {f"block {k} {fg}" for k in range(2) for fg in "fg"} | {"embedding g", "loss max", "head f", "block 0"}
+    assert expected <= set(labels), f"timeline labels {labels} lack {sorted(expected - set(labels))}"
+    for picture in ("timeline.png", "timeline_forward.png", "timeline_backward.png"):
+        assert (tmp_path / "tp2" / picture).stat().st_size > 10_000, f"OUT/{picture} missing or empty"
 
 
 def _diverge(rank, world, argv):
@@ -364,7 +484,7 @@ def _diverge(rank, world, argv):
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
-            gpt2.run_main(tp.main, argv)
+            gpt2.run_main(tp.cli, argv)
         except SystemExit as e:
             return e.code, err.getvalue()
     return 0, err.getvalue()
@@ -411,3 +531,20 @@ def test_overlap_comm_orders_cuda_work(monkeypatch, capsys):
     tp.order_comm_before_compute()
     out = capsys.readouterr().out
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8" and out.count("\n") == 1 and out.startswith("warning: "), out
+
+
+def test_overlap_comm_sets_cuda_connections_before_setup(monkeypatch, tmp_path):
+    """cli --overlap-comm: CUDA_DEVICE_MAX_CONNECTIONS=1 is in the environment when gpt2.setup (the first
+    thing that may start CUDA) is called, and CUDA has not started by then."""
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    seen = {}
+
+    def setup(args, *a, **k):
+        seen["env"] = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+        raise KeyboardInterrupt  # stop here: nothing else to run
+
+    monkeypatch.setattr(gpt2, "setup", setup)
+    with pytest.raises(KeyboardInterrupt):
+        tp.cli(["--tp", "1", "--overlap-comm", "--device", "cpu", "--out", str(tmp_path / "o")])
+    assert seen == {"env": "1"}, f"CUDA_DEVICE_MAX_CONNECTIONS when setup ran: {seen} (expected 1)"

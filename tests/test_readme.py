@@ -1,0 +1,92 @@
+"""The README's Learning path prints what it shows (issue 31): every command of the course, typed as printed in a
+fresh directory holding the project's files and data/shakespeare prepared offline as the quickstart says, prints
+the lines of the "You should see" block below it. Times (ms, tok/s, s, %) vary from machine to machine and are
+masked; losses, byte counts and every other figure must match to the printed digit."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import ROOT, free_port, launch_env
+
+TIMED = re.compile(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?\s*(?:ms|tok/s|s|%|x)(?=\W|$)")
+
+
+def normalize(line):
+    """Times masked, runs of spaces collapsed: what must match to the digit is everything else."""
+    return " ".join(TIMED.sub("#", line).split())
+
+
+def course():
+    """[(section title, [command lines], [expected lines])] of README.md's '## Learning path'."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    start = text.index("## Learning path")
+    end = text.find("\n## ", start + 1)
+    path = text[start: end if end > 0 else len(text)]
+    lessons = []
+    for section in re.split(r"\n### ", path)[1:]:
+        title = section.splitlines()[0]
+        blocks = re.findall(r"```(\w*)\n(.*?)```", section, re.S)
+        shown = re.search(r"You should see[^\n]*\n```\w*\n(.*?)```", section, re.S)
+        commands = [ln.strip() for lang, body in blocks if lang == "bash" for ln in body.splitlines()
+                    if ln.strip() and not ln.strip().startswith("#")]
+        if commands:
+            lessons.append((title, commands, shown.group(1).splitlines() if shown else []))
+    return lessons
+
+
+LESSONS = course()
+
+
+def test_every_lesson_has_a_command_and_what_it_prints():
+    assert len(LESSONS) >= 9, [t for t, _, _ in LESSONS]
+    for title, commands, shown in LESSONS:
+        assert shown, f"README lesson {title!r}: no 'You should see' block"
+        assert all(c.split()[0] in ("python", "torchrun") for c in commands), (title, commands)
+
+
+@pytest.fixture(scope="module")
+def fresh_clone(tmp_path_factory, shakespeare):
+    """The project's files in a new directory, data/shakespeare prepared offline (the quickstart's second line)."""
+    d = tmp_path_factory.mktemp("clone")
+    for name in os.listdir(ROOT):
+        if name.endswith(".py") or name in ("requirements.txt",):
+            shutil.copy(os.path.join(ROOT, name), d / name)
+    shutil.copytree(shakespeare, d / "data" / "shakespeare")
+    return d
+
+
+def run(command, cwd):
+    argv = command.split()
+    if argv[0] == "torchrun":  # the same launcher, on a port no other test holds
+        argv = [sys.executable, "-m", "torch.distributed.run", f"--master_port={free_port()}", *argv[1:]]
+    elif argv[0] == "python":
+        argv = [sys.executable, *argv[1:]]
+    env = {k: v for k, v in launch_env().items() if k != "PYTHONPATH"}  # the clone's own gpt2.py
+    t0 = time.time()
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return proc, time.time() - t0
+
+
+@pytest.mark.parametrize("lesson", range(len(LESSONS)), ids=[t.split(":")[0] for t, _, _ in LESSONS])
+def test_lesson_prints_what_the_readme_shows(lesson, fresh_clone):
+    title, commands, shown = LESSONS[lesson]
+    out = ""
+    for command in commands:
+        proc, seconds = run(command, fresh_clone)
+        print(f"{command}: {seconds:.1f} s")
+        dies = "--fail-at" in command  # the lesson's simulated crash: a rank exits abruptly, torchrun ends the job
+        assert (proc.returncode != 0) == dies, f"README lesson {title!r}: `{command}` exited {proc.returncode}\n" \
+                                               f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        out += proc.stdout + proc.stderr
+    printed = {normalize(ln) for ln in out.splitlines()}
+    for line in shown:
+        if line.strip() and not line.strip().startswith("..."):
+            assert normalize(line) in printed, \
+                f"README lesson {title!r} shows a line the command does not print:\n  shown:   {line}\n" \
+                f"  printed: {next((p for p in out.splitlines() if p.split('|')[0] == line.split('|')[0]), '(none)')}"
