@@ -71,7 +71,7 @@ class NaiveDataParallel(nn.Module):
         pass
 
 
-# The real version (Li et al. 2020, section 3.2.3): the same mean, in flat buckets launched during backward.
+# The real version (Li et al. 2020, 3.2.3): bucketed all-reduces under backward, only the tail exposed after it.
 class Bucket:
     """Consecutive parameters end to end in one flat buffer; parameter i's piece is view(flat, i)."""
 
