@@ -71,7 +71,7 @@ class NaiveDataParallel(nn.Module):
         pass
 
 
-# The real version (Li et al. 2020, section 3.2.3): the same mean, in flat buckets launched during backward.
+# The real version (Li et al. 2020, 3.2.3): bucketed all-reduces under backward, only the tail exposed after it.
 class Bucket:
     """Consecutive parameters end to end in one flat buffer; parameter i's piece is view(flat, i)."""
 
@@ -215,7 +215,7 @@ def train(args, Wrapper=DataParallel):
 
     def loss_fn(x, y, net=ddp):
         with ctx.autocast():
-            return net(x.to(ctx.device), y.to(ctx.device))[1]
+            return net(x, y)[1]
 
     opt_mb, comm = 0.0, []
     for step in range(args.steps):
@@ -225,7 +225,7 @@ def train(args, Wrapper=DataParallel):
         lr = gpt2.set_lr(opt, step, args)
         loss_sum = torch.zeros((), device=ctx.device)
         for micro in range(args.grad_accum):
-            x, y = train_loader.next_batch()
+            x, y = train_loader.next_batch(ctx.device)  # CUDA: from pinned memory, the host does not wait
             with ddp.no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext():
                 with timeline.compute("forward"):
                     loss = loss_fn(x, y) / args.grad_accum  # the gradient of the mean over all micro-batches
@@ -259,7 +259,7 @@ def train(args, Wrapper=DataParallel):
                   f"backward (upper bar); each bucket's collective, issue to completion (lower bar)")
     print0(f"saved {args.out}/model.pt, {args.out}/loss.png and {args.out}/timeline.png")
     if args.overlap_steps and world > 1:
-        exposed_communication(args, model, loss_fn, train_loader.next_batch(), timeline)
+        exposed_communication(args, model, loss_fn, train_loader.next_batch(ctx.device), timeline)
     return ddp, opt, comm  # gpt2.run_main then destroys the process group: every collective was waited for
 
 

@@ -6,6 +6,7 @@ timeline's labels), then end-to-end: the 2-rank run reproduces `gpt2.py train` o
 the closed forms; DataParallel and ShardedOptimizer on a toy model with tied, frozen and unused parameters match
 one process and torch's DistributedDataParallel."""
 import contextlib
+import functools
 import os
 from types import SimpleNamespace
 
@@ -150,6 +151,7 @@ def unit_checks(rank, world, path):
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def sgd_reference(accum):
     """One process: rank 0's init, both ranks' micro-batches, the mean of their losses, one SGD step."""
     torch.manual_seed(0)
