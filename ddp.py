@@ -65,7 +65,7 @@ class NaiveDataParallel(nn.Module):
             p.grad /= self.world  # the mean, as one process on the N-times-larger batch
 
     def clip_grad_norm_(self, max_norm):
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        return gpt2.clip_grad_norm_(self.module.parameters(), max_norm)
 
     def close(self):
         pass
@@ -187,7 +187,7 @@ class DataParallel(nn.Module):
                 p.grad = b.view(b.grads, i)
 
     def clip_grad_norm_(self, max_norm):
-        return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        return gpt2.clip_grad_norm_(self.params, max_norm)
 
     def close(self):  # wait for what is in flight, remove the hooks
         for k, b in enumerate(self.buckets):
@@ -433,13 +433,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm):
         """Clip on the norm of the GLOBAL gradient: each element is in exactly one rank's pieces, so the
-        squared norms are summed over the ranks (torch.nn.utils.clip_grad_norm_'s formula otherwise)."""
+        squared norms are summed over the ranks (gpt2.clip_grad_norm_'s formula otherwise)."""
         self.take_grads()
         grads = [s.tensor.grad for s in self.shards if s.tensor.grad is not None]
         device = self.buckets[0].device
         sq = torch.zeros((), device=device)
         if grads:
-            sq += torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
+            sq += torch.stack([g.float().pow(2).sum() for g in grads]).sum()
         if self.world > 1:
             dist.all_reduce(sq)
             self.meter.all_reduce(sq.element_size(), self.world)
