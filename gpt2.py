@@ -1457,12 +1457,21 @@ class Timeline:
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(12, 1.2 + 0.9 * len(everyone)))
         end = max(e for *_, e in flat) or 1.0
-        for rank, label, kind, s, e in flat:
-            lane = 0.0 if kind == "compute" else 0.42  # compute above, communication below, in each rank's row
-            ax.barh(rank + lane, max(e - s, end * 1e-3), left=s, height=0.38, color=self.COLOURS.get(kind, "#cccccc"),
+        lanes = {}  # (rank, upper or lower) -> each sub-lane's end: bars that overlap in time get sub-lanes
+        placed = []
+        for rank, label, kind, s, e in sorted(flat, key=lambda f: f[3]):
+            ends = lanes.setdefault((rank, kind == "compute"), [])
+            sub = next((i for i, t in enumerate(ends) if t <= s), len(ends))
+            ends[sub:sub + 1] = [e]
+            placed.append((rank, label, kind, s, e, sub))
+        for rank, label, kind, s, e, sub in placed:
+            n = len(lanes[(rank, kind == "compute")])
+            height = 0.38 / n  # compute above, communication below, in each rank's row
+            y = rank + (0.0 if kind == "compute" else 0.42) - 0.19 + height * (sub + 0.5)
+            ax.barh(y, max(e - s, end * 1e-3), left=s, height=height, color=self.COLOURS.get(kind, "#cccccc"),
                     edgecolor="black", linewidth=0.3)
             if e - s > end * 0.03:
-                ax.text(s + (e - s) / 2, rank + lane, label, ha="center", va="center", fontsize=6, clip_on=True)
+                ax.text(s + (e - s) / 2, y, label, ha="center", va="center", fontsize=6 if n < 3 else 5, clip_on=True)
         ax.set_yticks([r + 0.21 for r in range(len(everyone))], [f"rank {r}" for r in range(len(everyone))])
         ax.invert_yaxis()
         ax.set_xlabel(f"ms since the start of step {self.record_step} ({'CUDA events' if self.cuda else 'host clock'})")
