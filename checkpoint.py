@@ -293,8 +293,7 @@ def make_parser():
 
 
 def main(argv=None):  # the core alone; the file's entry point is cli() (its checks, its extensions)
-    args = make_parser().parse_args(argv)
-    gpt2.check_args(args)
+    args = make_parser().parse_args(argv)  # gpt2.setup checks the shared flags
     train(args, SyncCheckpointer if args.naive else AsyncCheckpointer)
 
 

@@ -1,7 +1,7 @@
 """The README's Learning path prints what it shows (issue 31): every command of the course, typed as printed in a
 fresh directory holding the project's files and data/shakespeare prepared offline as the quickstart says, prints
 the lines of the "You should see" block below it. Times (ms, tok/s, s, %) vary from machine to machine and are
-masked; losses, byte counts and every other figure must match to the printed digit."""
+masked, as is what the README writes as "..."; losses, byte counts and every other figure match to the digit."""
 import os
 import re
 import shutil
@@ -32,7 +32,7 @@ def course():
     for section in re.split(r"\n### ", path)[1:]:
         title = section.splitlines()[0]
         blocks = re.findall(r"```(\w*)\n(.*?)```", section, re.S)
-        shown = re.search(r"You should see[^\n]*\n```\w*\n(.*?)```", section, re.S)
+        shown = re.search(r"You should see.*?:\n```\w*\n(.*?)```", section, re.S)
         commands = [ln.strip() for lang, body in blocks if lang == "bash" for ln in body.splitlines()
                     if ln.strip() and not ln.strip().startswith("#")]
         if commands:
@@ -87,6 +87,8 @@ def test_lesson_prints_what_the_readme_shows(lesson, fresh_clone):
     printed = {normalize(ln) for ln in out.splitlines()}
     for line in shown:
         if line.strip() and not line.strip().startswith("..."):
-            assert normalize(line) in printed, \
+            # "..." in a shown line stands for a figure that varies from run to run (a measured fraction, RSS)
+            pattern = re.compile(".*".join(re.escape(part) for part in normalize(line).split("...")))
+            assert any(pattern.fullmatch(p) for p in printed), \
                 f"README lesson {title!r} shows a line the command does not print:\n  shown:   {line}\n" \
                 f"  printed: {next((p for p in out.splitlines() if p.split('|')[0] == line.split('|')[0]), '(none)')}"
