@@ -454,7 +454,6 @@ def check_zoo(name, root, work, only=None):
 def check(name, root, work):
     """The exercise copy fails with its own message, the bug copy fails saying what differs, the reference
     copy passes: each under `pytest --impl` on the file's CHECKS test. Returns [(kind, exit code, line)]."""
-    import subprocess
     test, (line, bug) = CHECKS[name]
     with open(os.path.join(root, name)) as f:
         source = f.read()
@@ -466,9 +465,7 @@ def check(name, root, work):
         os.makedirs(d)
         with open(os.path.join(d, name), "w") as f:
             f.write(text)
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"--basetemp={d}/tmp",
-                              "--impl", d, f"tests/test_{name[:-3]}.py", "-k", test], cwd=root, capture_output=True,
-                             text=True, timeout=1200)
+        out = run_pytest(root, d, f"tests/test_{name[:-3]}.py", f"{d}/tmp", test)
         key = {"exercise": "NotImplementedError: exercise", "bug": "what differs -", "reference": " passed"}[kind]
         lines = out.stdout[out.stdout.find(key):].splitlines() if key in out.stdout else [""]
         rows.append((kind, out.returncode, (lines[1] if kind == "bug" and len(lines) > 1 else lines[0])[:200]))

@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 
+from harness import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--steps", "3", "--grad-accum", "2", "--eval-every", "0", "--batch-size", "4", "--seq-len", "64"]
 # file -> (processes, extra flags); every block of moe_ep's tiny model is a MoE layer (4)
@@ -184,13 +186,6 @@ def worker(name, argv, result):
         rank = int(os.environ.get("RANK", 0))
         with open(f"{result}.rank{rank}", "w") as f:
             json.dump({"tally": tally, "steps_seen": seen["steps"]}, f)
-
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def count_file(name, grad_accum=2):
