@@ -123,7 +123,7 @@ def quantize_128x128(w, pow2=False):
     return _to_fp8(blocks, scales).view(Np, Kp), scales[:, 0, :, 0]
 
 
-@torch.compiler.disable  # an opaque GEMM call, like cuBLAS's; inductor (torch 2.13, CPU) miscompiled it
+@torch._disable_dynamo  # an opaque GEMM call, like cuBLAS's; inductor (torch 2.13, CPU) miscompiled it
 def fp8_matmul(a_fp8, a_scales, b_fp8, b_scales, out_dtype=torch.float32):
     """a @ b^T for a (M, K) in 1x128 tiles, b (N, K) in 1x128 tiles (scales (N, K/128)) or 128x128 blocks (scales
     (ceil(N/128), K/128)), K padded to 128, emulated: e4m3 products are exact in fp32; each chunk's 128 are summed
@@ -382,7 +382,7 @@ def check_fp8_operands(a_fp8, a_scales, b_fp8, b_scales):
         raise ValueError(f"scales {tuple(a_scales.shape)}, {tuple(b_scales.shape)} do not fit 1x128 / 128x128 tiles")
 
 
-@torch.compiler.disable  # a try/except around a kernel choice is eager-mode code
+@torch._disable_dynamo  # a try/except around a kernel choice is eager-mode code
 def cuda_fp8_matmul(a_fp8, a_scales, b_fp8, b_scales, out_dtype=torch.float32):
     """fp8_matmul on the path gemm_path chose (printed once); a path that raises, or whose first result of a
     kind differs from the emulation by 1e-2 or more, is replaced by the next one, with one printed line."""

@@ -393,7 +393,7 @@ class SplitBackward(Pipeline):
                 if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding)):
                     m.register_forward_hook(self.record)
 
-    @torch.compiler.disable  # under --compile the recording stays eager (a graph break)
+    @torch._disable_dynamo  # under --compile the recording stays eager (a graph break)
     def record(self, module, inputs, output):
         if self.tape is not None:
             self.tape.append((module, inputs[0], torch.autograd.graph.get_gradient_edge(output)))

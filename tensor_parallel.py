@@ -332,7 +332,7 @@ def wrap_columns(blocks, Column):
         b.mlp.c_fc = Column(b.mlp.c_fc, f"block {b.k} f")
 
 
-@torch.compiler.disable  # a collective in a custom backward: keep it out of the compiled graph
+@torch._disable_dynamo  # a collective in a custom backward: keep it out of the compiled graph
 def column_function(fn, x, weight, bias, grid, label):
     return fn.apply(x, weight, bias, grid, label)
 

@@ -1,6 +1,7 @@
 """The workshop round trip (issue 23) on one file, ddp.py: the exercise copy fails the project's own test with
 the exercise's message, the reference copied into the same kind of directory passes it, and a copy with one
-deliberate bug (gradients summed over the ranks instead of averaged) fails with the step that differs and the hint."""
+deliberate bug (gradients summed over the ranks instead of averaged) fails one SGD step's check with the ratio (2)
+and the hint that names it."""
 import shutil
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 from exercise import BANNER, CHECKS, EXERCISES, cut, main
 from harness import ROOT, compare, run_cli, train_losses
 
-TEST = ["tests/test_ddp.py", "-k", "two_ranks_match_one_process"]
+TEST = ["tests/test_ddp.py", "-k", "one_sgd_step_averages_the_gradients and plain"]  # SGD: the scale shows at once
 
 
 def pytest_on(impl, basetemp):
@@ -47,8 +48,8 @@ def test_ddp_exercise_fails_reference_passes_bug_points_at_it(tmp_path):
     (tmp_path / "bug" / "ddp.py").write_text(text.replace("1.0 / self.world", "1.0"))  # a sum, not a mean
     proc = pytest_on(tmp_path / "bug", tmp_path / "t3")
     assert proc.returncode == 1 and "what differs" in proc.stdout, proc.stdout[-3000:]
-    assert "the values before it agree" in proc.stdout, proc.stdout[-3000:]  # AdamW hides the scale for ~20 steps
-    assert "are gradients divided by the world size" in proc.stdout
+    assert "ratio 2.000, expected 1" in proc.stdout, proc.stdout[-3000:]  # the update of each tensor doubles
+    assert "a ratio of 2 is a sum where the mean belongs" in proc.stdout, proc.stdout[-3000:]  # the check's own hint
 
 
 # The handout runs alone (issue 30): each file cut at its banner trains under torchrun and prints the same losses
