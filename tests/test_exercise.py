@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from exercise import BANNER, CHECKS, EXERCISES, cut, main
-from harness import ROOT, compare, run_cli, train_losses
+from harness import ROOT, compare, run_clis, train_losses
 
 TEST = ["tests/test_ddp.py", "-k", "one_sgd_step_averages_the_gradients and plain"]  # SGD: the scale shows at once
 
@@ -65,8 +65,8 @@ def test_core_alone_trains_like_the_whole_file(name, tmp_path, shakespeare):
     assert BANNER not in core and "Appendix" not in core, f"{name}: the handout holds more than the core"
     flags = ["--data", shakespeare, "--steps", "3", "--eval-every", "0", "--batch-size", "2", "--seq-len", "64",
              *CORE_FLAGS[name]]
-    run_cli([str(tmp_path / "handout" / name), *flags, "--out", str(tmp_path / "core")], nproc=2)
-    run_cli([name, *flags, "--out", str(tmp_path / "whole")], nproc=2)
+    run_clis([str(tmp_path / "handout" / name), *flags, "--out", str(tmp_path / "core")],
+             [name, *flags, "--out", str(tmp_path / "whole")], nproc=2)
     core_losses, whole = train_losses(str(tmp_path / "core")), train_losses(str(tmp_path / "whole"))
     worst = compare(f"train loss, {name} core alone vs the whole file (2 ranks, fp32)", core_losses, whole, 0.0)
     assert worst == 0.0, f"{name}: the core alone differs from the whole file by {worst:.1e} (the default run must " \

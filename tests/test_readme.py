@@ -2,6 +2,7 @@
 fresh directory holding the project's files and data/shakespeare prepared offline as the quickstart says, prints
 the lines of the "You should see" block below it. Times (ms, tok/s, s, %) vary from machine to machine and are
 masked, as is what the README writes as "..."; losses, byte counts and every other figure match to the digit."""
+import concurrent.futures
 import os
 import re
 import shutil
@@ -73,13 +74,32 @@ def run(command, cwd):
     return proc, time.time() - t0
 
 
+def run_lesson(commands, cwd):
+    """A lesson's commands one after another (checkpoint.py resumes what its first command saved)."""
+    done = []
+    for command in commands:
+        proc, seconds = run(command, cwd)
+        done.append((command, proc, seconds))
+    return done
+
+
+@pytest.fixture(scope="module")
+def lesson_runs(request, fresh_clone):
+    """Every selected lesson, two at a time (on 2 cores one lesson's start-up overlaps the other's steps): the
+    tests below wait for their own."""
+    selected = sorted({item.callspec.params["lesson"] for item in request.session.items
+                       if getattr(item, "originalname", "") == "test_lesson_prints_what_the_readme_shows"})
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    yield {i: pool.submit(run_lesson, LESSONS[i][1], fresh_clone) for i in selected}
+    pool.shutdown(cancel_futures=True)  # after a failure with -x: the lessons not started yet are not run
+
+
 @pytest.mark.parametrize("lesson", range(len(LESSONS)), ids=[t.split(":")[0] for t, _, _ in LESSONS])
-def test_lesson_prints_what_the_readme_shows(lesson, fresh_clone):
+def test_lesson_prints_what_the_readme_shows(lesson, lesson_runs):
     title, commands, shown = LESSONS[lesson]
     out = ""
-    for command in commands:
-        proc, seconds = run(command, fresh_clone)
-        print(f"{command}: {seconds:.1f} s")
+    for command, proc, seconds in lesson_runs[lesson].result():
+        print(f"{command}: {seconds:.1f} s (beside another lesson)")
         dies = "--fail-at" in command  # the lesson's simulated crash: a rank exits abruptly, torchrun ends the job
         assert (proc.returncode != 0) == dies, f"README lesson {title!r}: `{command}` exited {proc.returncode}\n" \
                                                f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
