@@ -2,6 +2,7 @@
 the exercise's message, the reference copied into the same kind of directory passes it, and a copy with one
 deliberate bug (gradients summed over the ranks instead of averaged) fails one SGD step's check with the ratio (2)
 and the hint that names it."""
+import concurrent.futures
 import shutil
 import subprocess
 import sys
@@ -33,23 +34,22 @@ def test_every_exercise_cuts_a_function_of_the_core(tmp_path):
 
 def test_ddp_exercise_fails_reference_passes_bug_points_at_it(tmp_path):
     main(["ddp.py", "--out", str(tmp_path / "exercise")])
-    proc = pytest_on(tmp_path / "exercise", tmp_path / "t1")
-    assert proc.returncode == 1 and "NotImplementedError: exercise 1: DataParallel.take_grad: " in proc.stdout, \
-        proc.stdout[-3000:]
-
     (tmp_path / "reference").mkdir()
     shutil.copy(f"{ROOT}/ddp.py", tmp_path / "reference" / "ddp.py")
-    proc = pytest_on(tmp_path / "reference", tmp_path / "t2")
-    assert proc.returncode == 0, proc.stdout[-3000:]
-
     (tmp_path / "bug").mkdir()
     text = open(f"{ROOT}/ddp.py").read()
     assert text.count("1.0 / self.world") == 1
     (tmp_path / "bug" / "ddp.py").write_text(text.replace("1.0 / self.world", "1.0"))  # a sum, not a mean
-    proc = pytest_on(tmp_path / "bug", tmp_path / "t3")
-    assert proc.returncode == 1 and "what differs" in proc.stdout, proc.stdout[-3000:]
-    assert "ratio 2.000, expected 1" in proc.stdout, proc.stdout[-3000:]  # the update of each tensor doubles
-    assert "a ratio of 2 is a sum where the mean belongs" in proc.stdout, proc.stdout[-3000:]  # the check's own hint
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # three independent pytest runs, at once
+        exercise, reference, bug = pool.map(lambda d: pytest_on(tmp_path / d, tmp_path / f"t_{d}"),
+                                            ("exercise", "reference", "bug"))
+
+    assert exercise.returncode == 1 and "NotImplementedError: exercise 1: DataParallel.take_grad: " in exercise.stdout, \
+        exercise.stdout[-3000:]
+    assert reference.returncode == 0, reference.stdout[-3000:]
+    assert bug.returncode == 1 and "what differs" in bug.stdout, bug.stdout[-3000:]
+    assert "ratio 2.000, expected 1" in bug.stdout, bug.stdout[-3000:]  # the update of each tensor doubles
+    assert "a ratio of 2 is a sum where the mean belongs" in bug.stdout, bug.stdout[-3000:]  # the check's own hint
 
 
 # The handout runs alone (issue 30): each file cut at its banner trains under torchrun and prints the same losses
@@ -65,8 +65,8 @@ def test_core_alone_trains_like_the_whole_file(name, tmp_path, shakespeare):
     assert BANNER not in core and "Appendix" not in core, f"{name}: the handout holds more than the core"
     flags = ["--data", shakespeare, "--steps", "3", "--eval-every", "0", "--batch-size", "2", "--seq-len", "64",
              *CORE_FLAGS[name]]
-    run_clis([str(tmp_path / "handout" / name), *flags, "--out", str(tmp_path / "core")],
-             [name, *flags, "--out", str(tmp_path / "whole")], nproc=2)
+    run_clis(([str(tmp_path / "handout" / name), *flags, "--out", str(tmp_path / "core")], 2),
+             ([name, *flags, "--out", str(tmp_path / "whole")], 2))
     core_losses, whole = train_losses(str(tmp_path / "core")), train_losses(str(tmp_path / "whole"))
     worst = compare(f"train loss, {name} core alone vs the whole file (2 ranks, fp32)", core_losses, whole, 0.0)
     assert worst == 0.0, f"{name}: the core alone differs from the whole file by {worst:.1e} (the default run must " \

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import fsdp2
 import gpt2
-from harness import assert_close, compare, max_rel_diff, read_metrics, run_cli, run_distributed, train_losses
+from harness import assert_close, compare, max_rel_diff, read_metrics, run_cli, run_clis, run_distributed, train_losses
 
 STEPS = 12
 TINY = ["--model", "tiny", "--n-layer", "2", "--n-embd", "42", "--n-head", "2", "--seq-len", "16", "--device", "cpu",
@@ -453,13 +453,15 @@ def test_naive_and_grad_accum_2_follow_gpt2_for_60_steps(shakespeare, tmp_path):
     flags = ["--model", "tiny", "--n-layer", "2", "--n-embd", "42", "--n-head", "2", "--seq-len", "32", "--device", "cpu",
              "--dtype", "float32", "--eval-every", "0", "--warmup", "10", "--lr", "3e-3", "--steps", "60",
              "--grad-accum", "2", "--data", shakespeare]
-    run_cli(["gpt2.py", "train", *flags, "--batch-size", "2", "--out", str(tmp_path / "ref")])
+    names = {"fsdp2.py": [], "fsdp2.py --naive": ["--naive"]}
+    outs = {name: str(tmp_path / name.replace(" ", "")) for name in names}
+    runs = run_clis((["gpt2.py", "train", *flags, "--batch-size", "2", "--out", str(tmp_path / "ref")], 1),
+                    *((["fsdp2.py", *flags, *extra, "--batch-size", "1", "--out", outs[name]], 2)
+                      for name, extra in names.items()))
     ref = train_losses(str(tmp_path / "ref"))
-    printed = {}
-    for name, extra in (("fsdp2.py", []), ("fsdp2.py --naive", ["--naive"])):
-        out = str(tmp_path / name.replace(" ", ""))
-        printed[name] = run_cli(["fsdp2.py", *flags, *extra, "--batch-size", "1", "--out", out], nproc=2).stdout
-        got = train_losses(out)
+    printed = {name: run.stdout for name, run in zip(names, runs[1:])}
+    for name in names:
+        got = train_losses(outs[name])
         print(f"{name} 2 ranks --grad-accum 2 vs gpt2.py, 60 steps: {max_rel_diff(got, ref):.1e}")
         assert_close(f"train loss, {name} 2 ranks x 1 sequence, --grad-accum 2, fp32 vs gpt2.py (2 sequences)", got,
                      ref, 2e-5, hint="a drift that grows: the micro-steps' gradients (each loss / grad_accum, the "

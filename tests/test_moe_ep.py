@@ -1,5 +1,6 @@
 """moe_ep.py: dispatch/combine, the all-to-all gradient, capacity, balancing, and loss curves equal to one process."""
 import argparse
+import concurrent.futures
 import contextlib
 import io
 import os
@@ -302,13 +303,18 @@ def _checks_then_train(rank, world, runs):
 
 
 def test_expert_parallel_equals_one_process(bigram_data, tmp_path):
-    """The unit checks on 4 ranks, then the loss curves: EP=2 on 2 ranks (torchrun, the CLI), EP=2 x DP=2 and
-    EP=4 on 4 ranks, and the DeepSeek-style variant with EP=2 x DP=2, each against one process."""
+    """The unit checks on 4 ranks, then the loss curves: EP=2 on 2 ranks for 60 steps (torchrun, the CLI), EP=2 x DP=2
+    and EP=4 on 4 ranks for 10, and the DeepSeek-style variant with EP=2 x DP=2, each against one process."""
     common = COMMON + ["--data", bigram_data]
-    o = {name: str(tmp_path / name) for name in ("ref", "ep2", "ep2dp2", "ep4", "ds_ref", "ds_ep2dp2")}
-    moe_ep.cli(common + ["--ep", "1", "--batch-size", "8", "--out", o["ref"]])
-    moe_ep.cli(common + DEEPSEEK + ["--ep", "1", "--batch-size", "4", "--out", o["ds_ref"]])
-    run_cli(["moe_ep.py"] + common + ["--ep", "2", "--batch-size", "4", "--out", o["ep2"]], nproc=2)
+    o = {name: str(tmp_path / name) for name in ("ref", "ref60", "ep2", "ep2dp2", "ep4", "ds_ref", "ds_ep2dp2")}
+    refs = {"ep2": "ref60", "ep2dp2": "ref", "ep4": "ref"}  # the run each is compared with
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the torchrun launch runs while this process trains
+        ep2 = pool.submit(run_cli, ["moe_ep.py"] + common + ["--ep", "2", "--batch-size", "4", "--steps", "60", "--out",
+                                    o["ep2"]], nproc=2)
+        moe_ep.cli(common + ["--ep", "1", "--batch-size", "8", "--out", o["ref"]])
+        moe_ep.cli(common + ["--ep", "1", "--batch-size", "8", "--steps", "60", "--out", o["ref60"]])
+        moe_ep.cli(common + DEEPSEEK + ["--ep", "1", "--batch-size", "4", "--out", o["ds_ref"]])
+        ep2.result()
     checks = run_distributed(_checks_then_train, 4, [
         common + ["--ep", "2", "--batch-size", "2", "--activation-checkpointing", "--out", o["ep2dp2"]],
         common + ["--ep", "4", "--batch-size", "2", "--out", o["ep4"]],
@@ -333,16 +339,18 @@ def test_expert_parallel_equals_one_process(bigram_data, tmp_path):
     losses = train_losses(o["ref"])
     assert losses[-1] < losses[0] - 0.3, losses  # it trains: the comparison is not between frozen models
     col = lambda recs, key: [r[key] for r in recs if key in r]
+    assert len(train_losses(o["ref60"])) == 60
     for name in ("ep2", "ep2dp2", "ep4"):
-        recs = read_metrics(o[name])
+        recs, ref = read_metrics(o[name]), read_metrics(o[refs[name]])
         compare(f"max/mean expert load per step, moe_ep.py {name} vs one process", [max(max(l) for l in s) for s in
-                col(recs, "expert_load")], [max(max(l) for l in s) for s in col(base, "expert_load")], 0,
+                col(recs, "expert_load")], [max(max(l) for l in s) for s in col(ref, "expert_load")], 0,
                 hint="train: the (routed, kept) counts of every rank are all-reduced before the aux loss and the log")
-        assert col(recs, "expert_load") == col(base, "expert_load"), f"{name}: the expert loads differ from one " \
+        assert col(recs, "expert_load") == col(ref, "expert_load"), f"{name}: the expert loads differ from one " \
             f"process's: routing is not token for token the same"
-        assert_close(f"train loss, moe_ep.py {name} fp32 vs one process", col(recs, "loss"), losses, 1e-5)
-        assert_close(f"val loss, moe_ep.py {name} fp32 vs one process", col(recs, "val_loss"), col(base, "val_loss"), 1e-5)
-        assert_close(f"aux loss, moe_ep.py {name} vs one process", col(recs, "aux_loss"), col(base, "aux_loss"), 1e-4)
+        assert_close(f"train loss, moe_ep.py {name} fp32 vs one process, {len(col(recs, 'loss'))} steps",
+                     col(recs, "loss"), col(ref, "loss"), 1e-5)
+        assert_close(f"val loss, moe_ep.py {name} fp32 vs one process", col(recs, "val_loss"), col(ref, "val_loss"), 1e-5)
+        assert_close(f"aux loss, moe_ep.py {name} vs one process", col(recs, "aux_loss"), col(ref, "aux_loss"), 1e-4)
     # sigmoid gates, shared expert, aux-loss-free bias and 2 micro-steps: the same equality
     ds_ref, ds = read_metrics(o["ds_ref"]), read_metrics(o["ds_ep2dp2"])
     assert max_rel_diff(col(ds, "loss"), col(ds_ref, "loss")) <= 1e-5, (col(ds, "loss"), col(ds_ref, "loss"))
@@ -358,8 +366,8 @@ def test_expert_parallel_equals_one_process(bigram_data, tmp_path):
     assert all(0.7 < r["a2a_mb"] / theory < 1.3 for r in steps), [(r["a2a_mb"], theory) for r in steps]
     # model.pt holds every expert whatever the layout: the EP runs' files equal the one-process file, and the
     # loaded model (moe_ep.load_moe, one process, dropless) reproduces the run's last val loss on the same tokens
-    ref_state = torch.load(os.path.join(o["ref"], "model.pt"), weights_only=True)["model"]
     for name in ("ep2", "ep2dp2", "ep4"):
+        ref_state = torch.load(os.path.join(o[refs[name]], "model.pt"), weights_only=True)["model"]
         state = torch.load(os.path.join(o[name], "model.pt"), weights_only=True)["model"]
         assert state.keys() == ref_state.keys() and max((state[k] - ref_state[k]).abs().max() for k in state) < 1e-4
     model = moe_ep.load_moe(os.path.join(o["ep4"], "model.pt"))
