@@ -241,9 +241,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad_x * grad_loss, (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None
 
 
-# torch._disable_dynamo is torch.compiler.disable importing the compiler at the first call, not at import (1 s less
-# per process that never compiles). Eager: its work is large GEMMs; a compiled loop of in-place ops would save little
-@torch._disable_dynamo
+# torch._disable_dynamo: torch.compiler.disable that imports the compiler at the first call, not at import (-1 s)
+@torch._disable_dynamo  # eager: its work is large GEMMs; a compiled loop of in-place ops would save little
 def chunked_cross_entropy(x, weight, targets, vocab_size):
     grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return ChunkedCrossEntropy.apply(x, weight, targets, vocab_size, grads)
