@@ -15,7 +15,7 @@ if os.path.isdir(os.path.join(SHARED, "tiktoken")):
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(SHARED, "tiktoken"))
 
 # glibc's malloc hands every large freed block back to the kernel and faults it in again, zeroed, at the next step:
-# on 2 cores that was a third of a tiny run's time (ddp.py, 20 steps: 18.2 -> 13.8 s; sys 10.6 -> 3.4 s). Keep freed
+# on 2 cores that was a quarter of a tiny run's time (ddp.py, 20 steps: 18.2 -> 13.8 s; sys 10.6 -> 3.4 s). Keep freed
 # memory in the heap: in this process (mallopt) and in every process the tests start (they inherit the environment).
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": (-3, 1 << 27), "MALLOC_TRIM_THRESHOLD_": (-1, 1 << 30), "MALLOC_TOP_PAD_": (-2, 1 << 28)}
 for _name, (_param, _value) in MALLOC.items():

@@ -62,9 +62,9 @@ def _worker(fn, rank, world, port, args, queue, env):
 
 
 def rank_context():
-    """Where ranks come from: a fork server that imported numpy, torch and torch's compiler once, with no thread
-    started yet; a rank forked from it starts in ~0.1 s instead of ~2.5 s of imports on 2 cores. Each rank gets the
-    caller's sys.path and environment and imports the test module afresh, as spawn would give it."""
+    """Where ranks come from: a fork server that imported numpy, torch and torch's compiler once; a rank forked
+    from it starts in ~0.1 s instead of ~2.5 s of imports on 2 cores. Each rank gets the caller's sys.path and
+    environment and imports the test module afresh, as spawn would give it."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -116,6 +116,19 @@ def run_clis(*runs, **kw):
     Returns their CompletedProcesses in order."""
     with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
         return list(pool.map(lambda run: run_cli(run[0], nproc=run[1], **kw), runs))
+
+
+def two_at_a_time(request, test, param, fn):
+    """For a module fixture (`yield from`): fn(value) for the `param` of every selected `test` (after -k), two at
+    a time in threads; yields {value: future}. What has not started when the module ends (a failure under -x) is
+    dropped."""
+    selected = sorted({item.callspec.params[param] for item in request.session.items
+                       if getattr(item, "originalname", "") == test})
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
+        yield {value: pool.submit(fn, value) for value in selected}
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def read_metrics(out_dir):

@@ -1,13 +1,12 @@
 """Issue 29's host-sync budget: what would make a CUDA host wait in one optimizer step, counted on CPU by
 tests/host_syncs.py. First the counter itself (each kind of sync is seen, its sync-free twin is not), then every file
 against its budget: 4 per step, plus 1 per MoE layer per micro-step for moe_ep."""
-import concurrent.futures
-
 import numpy as np
 import pytest
 import torch
 
 import host_syncs
+from harness import two_at_a_time
 
 
 def test_the_counter_sees_each_kind_of_sync_and_not_its_sync_free_twin():
@@ -50,11 +49,8 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def counts(request, data):
     """Every selected file counted, two launches at a time (the count is of operations, not of time)."""
-    selected = sorted({item.callspec.params["name"] for item in request.session.items
-                       if getattr(item, "originalname", "") == "test_host_syncs_per_step_within_budget"})
-    pool = concurrent.futures.ThreadPoolExecutor(2)
-    yield {name: pool.submit(host_syncs.count_file, name, grad_accum=2) for name in selected}
-    pool.shutdown(cancel_futures=True)
+    yield from two_at_a_time(request, "test_host_syncs_per_step_within_budget", "name",
+                             lambda name: host_syncs.count_file(name, grad_accum=2))
 
 
 @pytest.mark.parametrize("name", list(host_syncs.RUNS))

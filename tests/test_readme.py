@@ -2,7 +2,6 @@
 fresh directory holding the project's files and data/shakespeare prepared offline as the quickstart says, prints
 the lines of the "You should see" block below it. Times (ms, tok/s, s, %) vary from machine to machine and are
 masked, as is what the README writes as "..."; losses, byte counts and every other figure match to the digit."""
-import concurrent.futures
 import os
 import re
 import shutil
@@ -12,7 +11,7 @@ import time
 
 import pytest
 
-from harness import ROOT, free_port, launch_env
+from harness import ROOT, free_port, launch_env, two_at_a_time
 
 TIMED = re.compile(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?\s*(?:ms|tok/s|s|%|x)(?=\W|$)")
 
@@ -87,11 +86,8 @@ def run_lesson(commands, cwd):
 def lesson_runs(request, fresh_clone):
     """Every selected lesson, two at a time (on 2 cores one lesson's start-up overlaps the other's steps): the
     tests below wait for their own."""
-    selected = sorted({item.callspec.params["lesson"] for item in request.session.items
-                       if getattr(item, "originalname", "") == "test_lesson_prints_what_the_readme_shows"})
-    pool = concurrent.futures.ThreadPoolExecutor(2)
-    yield {i: pool.submit(run_lesson, LESSONS[i][1], fresh_clone) for i in selected}
-    pool.shutdown(cancel_futures=True)  # after a failure with -x: the lessons not started yet are not run
+    yield from two_at_a_time(request, "test_lesson_prints_what_the_readme_shows", "lesson",
+                             lambda i: run_lesson(LESSONS[i][1], fresh_clone))
 
 
 @pytest.mark.parametrize("lesson", range(len(LESSONS)), ids=[t.split(":")[0] for t, _, _ in LESSONS])
