@@ -313,9 +313,16 @@ def train(args, to_fp8=convert_to_fp8):
     return metrics.records
 
 
+def check_flags(args):
+    """Before the first collective, on every rank: a bad flag fails every rank in one line."""
+    if args.naive and args.fp8 == "off":
+        gpt2.fail("--naive with --fp8 off: no Linear runs in fp8", "--naive", "drop one of them")
+    gpt2.check_args(args)
+
+
 def main(argv=None):
     args = make_parser().parse_args(argv)
-    gpt2.check_args(args)  # before the first collective: a bad flag fails every rank, none hangs
+    check_flags(args)
     Linear = NaiveFp8Linear if args.naive else Fp8Linear
     return train(args, functools.partial(convert_to_fp8, Linear=Linear))
 
@@ -719,6 +726,8 @@ def check_format(args):
     """--format / --nvfp4-recipe, checked before any collective; returns the recipe as a tuple."""
     if args.nvfp4_recipe is not None and args.format != "nvfp4":
         gpt2.fail(f"--nvfp4-recipe with --format {args.format}", "--nvfp4-recipe", "add --format nvfp4 or drop it")
+    if args.fp8 == "off" and args.format != "deepseek":
+        gpt2.fail(f"--format {args.format} with --fp8 off: no Linear is quantized", "--format", "drop one of them")
     if args.format != "nvfp4":
         return ()
     items = NVFP4_RECIPE
@@ -797,8 +806,8 @@ def cli(argv=None):
     """The whole file: the core's loop with the Linear class the flags pick (the core's own with no
     extension flag, CublasFp8Linear on a GPU, BlockScaledLinear for --format), then --compare-with."""
     args = add_extension_flags(make_parser()).parse_args(argv)
-    gpt2.check_args(args)  # every check before the first collective: a bad flag fails every rank, none hangs
-    to_fp8, what = choose_to_fp8(args)
+    to_fp8, what = choose_to_fp8(args)  # every check before the first collective: none hangs
+    check_flags(args)
     baseline = read_baseline(args)
     if args.fp8 == "on":
         print0(f"fp8: {what}")

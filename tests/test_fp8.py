@@ -382,8 +382,14 @@ def test_bad_input_fails_before_any_collective(monkeypatch, tmp_path):
         fp8.cli(base + ["--n-embd", "66"])
     with pytest.raises(ValueError, match="train"):
         fp8.cli(base)
-    with pytest.raises(ValueError, match=r"nothing runs in nvfp4 \(--nvfp4-recipe\)"):  # a flag that cannot act
+    # issue 36: a flag combination that cannot act is refused in one line, by the core's main too
+    with pytest.raises(ValueError, match=r"nothing runs in nvfp4 \(--nvfp4-recipe\)"):
         fp8.cli(base + ["--format", "nvfp4", "--n-layer", "1"])
+    with pytest.raises(ValueError, match=r"--format mxfp8 with --fp8 off: no Linear is quantized \(--format\)"):
+        fp8.cli(base + ["--format", "mxfp8", "--fp8", "off"])
+    for run in (fp8.cli, fp8.main):
+        with pytest.raises(ValueError, match=r"--naive with --fp8 off: no Linear runs in fp8 \(--naive\)"):
+            run(base + ["--naive", "--fp8", "off"])
     # --compare-with: a directory without a finished run, or a run of another length (issue 25)
     with pytest.raises(ValueError, match=r"cannot be read.*\(--compare-with\)"):
         fp8.cli(base + ["--compare-with", str(tmp_path / "nowhere")])
@@ -541,17 +547,25 @@ def test_compile_equals_eager(shakespeare, tmp_path, monkeypatch):
     """Issue 15's compile case: --fp8 on with --compile gives eager's losses at steps 0-2 (fp32, world 1).
     On CPU each Fp8Linear runs as one opaque call (torch.compiler.disable; cold compile 52 -> 42 s against
     compiling its quantizers as separate graphs), and the emulated GEMM is opaque on every device: inductor
-    (torch 2.13, CPU) fused it into a kernel that wrote only the first 128 of 192 output columns (NaN loss)."""
+    (torch 2.13, CPU) fused it into a kernel that wrote only the first 128 of 192 output columns (NaN loss).
+    Tolerance (issue 35): compile fuses LayerNorm, GELU and the loss, whose last bits then differ, and an
+    e4m3 rounding downstream can flip. All of a step's ~10^5 roundings together move the loss by G (fp8 on
+    vs off, measured here); FLIPS flips, each one e4m3 step (twice a rounding's worst error), move it by
+    about 2 x FLIPS x G / sqrt(10^5) < G / 10 when the roundings' signs are random. Measured: 0 here."""
     monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)  # no pool of compile workers to start
     runs = {}
-    for name, extra in (("eager", []), ("compile", ["--compile"])):
+    for name, extra in (("eager", []), ("compile", ["--compile"]), ("off", ["--fp8", "off"])):
         out = str(tmp_path / name)
-        fp8.cli(SHORT + extra + ["--fp8", "on", "--dtype", "float32", "--data", shakespeare, "--out", out])
+        fp8.cli(SHORT + (extra if name == "off" else extra + ["--fp8", "on"]) + ["--dtype", "float32", "--data",
+                                                                                 shakespeare, "--out", out])
         runs[name] = train_losses(out)
     torch._dynamo.reset()
-    print(f"\nfp8 on, steps 0-2: compile vs eager {worst_rel(runs['compile'], runs['eager']):.1e}")
-    assert len(runs["eager"]) == 3
-    assert_close("train loss, fp8.py --fp8 on --compile vs eager (fp32, 1 process)", runs["compile"], runs["eager"], 1e-5)
+    gap = worst_rel(runs["eager"], runs["off"])
+    print(f"\nfp8 on, steps 0-2: compile vs eager {worst_rel(runs['compile'], runs['eager']):.1e} (fp8 vs fp32: "
+          f"{gap:.1e})")
+    assert len(runs["eager"]) == 3 and gap > 1e-6
+    assert_close("train loss, fp8.py --fp8 on --compile vs eager (fp32, 1 process)", runs["compile"], runs["eager"],
+                 max(1e-6, gap / 10), hint="more than a few e4m3 flips: the compiled model computes something else")
 
 
 def test_e2m1_rounding_packing_and_stochastic_rounding():
