@@ -37,6 +37,7 @@ ends with the share of gradient bytes whose all-reduce started under backward, a
 import contextlib
 import math
 import os
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -230,13 +231,13 @@ def make_ddp(args, model, meter, timeline):
     return ddp, gpt2.make_adamw(groups, args, next(model.parameters()).device)
 
 
-def mean_ms(spans):
-    """(start, end) pairs of timeline.now(): CUDA events on the stream (what waits for NCCL), else
-    host seconds (gloo)."""
+def median_ms(spans):
+    """The median of (start, end) pairs of timeline.now(): CUDA events on the stream (what waits for
+    NCCL), else host seconds (gloo). The median: one step slowed by another process does not move it."""
     if spans and isinstance(spans[0][0], torch.cuda.Event):
         torch.cuda.synchronize()
-        return sum(a.elapsed_time(b) for a, b in spans) / len(spans)
-    return 1e3 * sum(b - a for a, b in spans) / max(len(spans), 1)
+        return statistics.median(a.elapsed_time(b) for a, b in spans)
+    return statistics.median(1e3 * (b - a) for a, b in spans) if spans else 0.0
 
 
 def train(args, make_ddp):
@@ -309,7 +310,7 @@ def train(args, make_ddp):
     after, during = ddp.bytes_launched
     figures = {"bytes_launched_in_backward": during / max(after + during, 1),
                "buckets": len(getattr(ddp, "buckets", [])),
-               "exposed_comm_ms": mean_ms(exposed[1:])}  # step 0 warms up
+               "exposed_comm_ms": median_ms(exposed[1:])}  # step 0 warms up
     if args.overlap_steps and world > 1:
         figures |= exposed_communication(args, model, loss_fn, train_loader.next_batch(ctx.device),
                                          timeline)
@@ -327,6 +328,7 @@ def exposed_communication(args, model, loss_fn, batch, timeline):
     for name, make, hold in ways:
         ddp, waits = make(), []
         for _ in range(args.overlap_steps + 1):  # the first warms up; the weights are not updated
+            dist.barrier()  # the ranks start together: what is measured is communication, not skew
             with ddp.no_sync() if hold else contextlib.nullcontext():
                 loss_fn(*batch, net=ddp).backward()
             t0 = timeline.now()
@@ -334,7 +336,7 @@ def exposed_communication(args, model, loss_fn, batch, timeline):
             waits.append((t0, timeline.now()))
             model.zero_grad(set_to_none=True)
         ddp.close()
-        ms[f"exposed_comm_ms_{name}"] = mean_ms(waits[1:])
+        ms[f"exposed_comm_ms_{name}"] = median_ms(waits[1:])
     return ms
 
 

@@ -8,6 +8,7 @@ one process and torch's DistributedDataParallel."""
 import contextlib
 import functools
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +18,7 @@ import torch.nn as nn
 
 import ddp
 import gpt2
-from harness import assert_close, compare, read_metrics, run_cli, run_distributed, train_losses
+from harness import assert_close, compare, read_metrics, run_cli, run_clis, run_distributed, train_losses
 
 CFG = ["--model", "tiny", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "16",
        "--device", "cpu", "--dtype", "float32", "--eval-every", "20", "--eval-steps", "2"]
@@ -324,6 +325,27 @@ def test_two_ranks_match_one_process(random_data, baseline, tmp_path):
     ours = gpt2.load_for_inference(os.path.join(out, "model.pt"), torch.device("cpu")).state_dict()
     ref = gpt2.load_for_inference(os.path.join(baseline, "model.pt"), torch.device("cpu")).state_dict()
     assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
+
+
+def test_course_lesson_launches_most_bytes_under_backward(shakespeare_char, tmp_path):
+    """The lesson on the course data: with --bucket-mb 1 the character model's 3.37 MB of gradients fill 4
+    buckets, and all but the last (h.0's end, wpe, wte: the last gradients) start under backward, at least
+    half the bytes. The handout (the core alone) ends with the same closing lines, timings aside."""
+    from exercise import main as exercise
+    exercise(["ddp.py", "--core", "--out", str(tmp_path / "handout")])
+    flags = ["--data", shakespeare_char, "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--bucket-mb", "1",
+             "--eval-every", "0", "--overlap-steps", "1"]
+    runs = run_clis((["ddp.py", *flags, "--out", str(tmp_path / "whole")], 2),
+                    ([str(tmp_path / "handout" / "ddp.py"), *flags, "--out", str(tmp_path / "core")], 2))
+    closing = []
+    for proc, name in zip(runs, ("whole", "core")):
+        fig = summary(str(tmp_path / name))
+        assert fig["buckets"] == 4 and 0.5 <= fig["bytes_launched_in_backward"] < 1, (name, fig)
+        lines = proc.stdout.strip().splitlines()[-2:]
+        assert lines[0].startswith(f"gradient bytes launched during backward: "
+                                   f"{fig['bytes_launched_in_backward']:.2f} (4 buckets) | exposed after "), lines
+        closing.append([lines[0].split(" | exposed")[0]] + [re.sub(r"\d+\.\d+", "#", line) for line in lines])
+    assert closing[0] == closing[1], f"the handout's closing lines differ from the whole file's: {closing}"
 
 
 def test_naive_matches_one_process(random_data, baseline, tmp_path):
