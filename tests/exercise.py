@@ -22,7 +22,7 @@ import sys
 EXERCISES = {
     "ddp.py": [
         ("DataParallel.take_grad", "copy p.grad into its slice of the bucket, divided by the world size (a mean), "
-                                   "then drop p.grad and mark the slice ready"),
+                                   "then drop p.grad, mark the slice ready and count it (self.pending -= 1)"),
         ("DataParallel._launch_ready_buckets", "launch every complete bucket, strictly in index order (every rank "
                                                "must issue the same all-reduces in the same order)"),
         ("DataParallel.launch", "start the bucket's all-reduce asynchronously (async_op=True), keep the work "
@@ -159,10 +159,11 @@ BUGS = {
         ("ZeRO-2 with one bucket in flight", "    in_flight = 2  #", "    in_flight = 1  #",
          "every curve matches; backward waits on each previous bucket's reduce-scatter (bench_ddp.py: blocked ms)",
          "zero2_keeps_two_buckets_in_flight", "reduce-scatters in flight (expected 2"),
-        ("buckets in forward order", "bucket_params(list(reversed(self.params)), cap)",
+        ("buckets in forward order", "bucket_params(self.params[::-1], cap)",
          "bucket_params(self.params, cap)",
          "the same losses, but bucket 0 holds wte, whose gradient lands last: nothing starts during backward, the "
-         "exposed communication line shows no gain", "buckets_launched_during_backward", "launched during backward"),
+         "closing line says 0.00 of the bytes launched during backward", "buckets_launched_during_backward",
+         "launched during backward"),
         ("no_sync forgotten in the loop",
          "            with ddp.no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext():",
          "            with contextlib.nullcontext():",
