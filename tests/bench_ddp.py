@@ -1,6 +1,7 @@
 """Benchmark ddp.DataParallel against torch.nn.parallel.DistributedDataParallel, same model, same batches.
 
     torchrun --nproc_per_node=2 tests/bench_ddp.py --data data/shakespeare_char   # CPU, gloo, the course model
+    torchrun --nproc_per_node=2 tests/bench_ddp.py --data data/shakespeare_char --zero    # + ZeRO-1, ZeRO-2
     torchrun --nproc_per_node=8 tests/bench_ddp.py --model gpt2 --batch-size 16 --seq-len 1024 --bucket-mb 25
     python tests/bench_ddp.py --per-rank-124m     # GPT-2 124M at 8 ranks: bytes and memory per rank (no GPU)
 
@@ -101,8 +102,8 @@ def print_per_rank_124m():
     print(f"(MB per rank per optimizer step; {rows[0]['how']})")
 
 
-VARIANTS = ("torch DDP", "ours", "ours: buckets, no overlap", "ours --naive", "ours + ZeRO-1", "ours + ZeRO-2",
-            "ours + ZeRO-2, 1 bucket in flight")
+VARIANTS = ("torch DDP", "ours", "ours: buckets, no overlap", "ours --naive")
+ZERO_VARIANTS = ("ours + ZeRO-1", "ours + ZeRO-2", "ours + ZeRO-2, 1 bucket in flight")
 
 
 def build(name, args, ctx):
@@ -132,13 +133,14 @@ def main():
     p = gpt2.make_parser("ours vs torch DDP step time")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size of both DDPs (the course model: "
                                                                 "~3.4 MB of gradients, so 1 MB gives 4 buckets)")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--rounds", type=int, default=8, help="interleaved rounds")
+    p.add_argument("--zero", action="store_true", help="also ZeRO-1 and ZeRO-2 (2 and 1 buckets in flight)")
     p.set_defaults(steps=4, batch_size=4, seq_len=64)  # --steps: timed steps per variant per round
     args = p.parse_args()
     if int(os.environ.get("WORLD_SIZE", 1)) < 2:
         sys.exit("launch with torchrun --nproc_per_node=2 (or more): see the docstring")
     ctx = gpt2.setup(args)
-    variants = {name: build(name, args, ctx) for name in VARIANTS}
+    variants = {name: build(name, args, ctx) for name in VARIANTS + (ZERO_VARIANTS if args.zero else ())}
     vocab = variants["ours"]["model"].config.vocab_size
     g = torch.Generator().manual_seed(1234 + ctx.rank)
     batches = [torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=g) for _ in range(args.steps)]
@@ -198,10 +200,18 @@ def main():
             if v["exposed"] else f"{'':11s}"
         blocked = f"{v['dp'].blocked_s() / timed * 1e3:11.1f}" if hasattr(v["dp"], "blocked_s") else f"{'':11s}"
         gpt2.print0(f"{name:36s} {t * 1e3:9.1f} {t / t_ref:8.3f} {exposed} {mb:9.2f} {diff:18.2e} {blocked}")
-    gpt2.print0(f"ours / torch DDP: {med['ours'] / t_ref:.3f}x the step time | overlap gain (step time): buckets "
-                f"without overlap / with {med['ours: buckets, no overlap'] / med['ours']:.2f}x, naive / buckets "
-                f"with overlap {med['ours --naive'] / med['ours']:.2f}x | ZeRO-2 1 bucket in flight / 2 "
-                f"{med['ours + ZeRO-2, 1 bucket in flight'] / med['ours + ZeRO-2']:.2f}x")
+    per_round = lambda name: [statistics.median(variants[name]["times"][r * args.steps:(r + 1) * args.steps])
+                              for r in range(args.rounds)]  # noqa: E731
+    rounds = " ".join(f"{a / b:.2f}" for a, b in zip(per_round("ours"), per_round("torch DDP")))
+    gpt2.print0(f"ours / torch DDP: {med['ours'] / t_ref:.3f}x the step time (round by round: {rounds})")
+    exposed = {n: statistics.median(ddp.elapsed_s(a, b) for a, b in variants[n]["exposed"]) * 1e3
+               for n in ("ours", "ours: buckets, no overlap", "ours --naive")}
+    gpt2.print0(f"overlap gain: exposed after backward, naive {exposed['ours --naive']:.1f} ms | buckets, no "
+                f"overlap {exposed['ours: buckets, no overlap']:.1f} ms | overlapped {exposed['ours']:.1f} ms; "
+                f"step time without overlap / with {med['ours: buckets, no overlap'] / med['ours']:.2f}x, naive "
+                f"/ overlapped {med['ours --naive'] / med['ours']:.2f}x")
+    if args.zero:
+        gpt2.print0(f"ZeRO-2, 1 bucket in flight / 2: {med['ours + ZeRO-2, 1 bucket in flight'] / med['ours + ZeRO-2']:.2f}x")
     gpt2.print0("(step ms: median; exposed ms: median wait in finish_grad_sync after backward (host clock on CPU, "
                 "CUDA events on GPU); torch DDP waits inside backward, so it has none; its MB/step is the ring "
                 "minimum 2(N-1)/N x gradient bytes, which it sends; blocked ms: per step backward waited on an "

@@ -31,6 +31,12 @@ def gradient_mb():
     return 4 * sum(p.numel() for p in m.parameters()) / 1e6
 
 
+def bucket_bytes(cap_mb):
+    """The CFG model's buckets at --bucket-mb cap_mb (reverse parameter order, closed at the cap)."""
+    m = gpt2.GPT(gpt2.GPTConfig(block_size=256, n_layer=2, n_head=2, n_embd=32))
+    return [sum(p.nbytes for p in run) for run in ddp.bucket_params(list(m.parameters())[::-1], cap_mb * 1e6)]
+
+
 @pytest.fixture(scope="module")
 def baseline(random_data, tmp_path_factory):
     """`gpt2.py train` in this process with a global batch of 8 rows, 60 steps."""
@@ -75,7 +81,7 @@ def wrap(kind, model, timeline=None):
         return ddp.NaiveDataParallel(model)
     cls = {"plain": ddp.DataParallel, "find_unused": ddp.FindUnusedParameters, "zero1": ddp.ZeRO1DataParallel,
            "zero2": ddp.ZeRO2DataParallel}[kind]
-    return cls(model, 0.05, None, timeline)  # 0.05 MB: 4 buckets on this model
+    return cls(model, 0.02, None, timeline)  # 0.02 MB: 4 buckets on this model
 
 
 class LazyWork:
@@ -287,7 +293,7 @@ def test_two_ranks_match_one_process(random_data, baseline, tmp_path):
     # 2 ranks x 2 rows x --grad-accum 2 = gpt2.py's 8 rows: the core's no_sync path, 60 steps
     out = str(tmp_path / "ddp")
     proc = run_cli(["ddp.py"] + CFG + ["--data", random_data, "--steps", str(STEPS), "--batch-size", "2",
-                                       "--grad-accum", "2", "--bucket-mb", "2", "--overlap-steps", "2",
+                                       "--grad-accum", "2", "--bucket-mb", "0.1", "--overlap-steps", "2",
                                        "--eval-steps", "4", "--out", out], nproc=2)  # val: the same 16 rows
     # the first steps agree to ~1e-7 (fp32, only the summation order differs: one float32 ulp of 10.8 is 8.8e-8
     # relative); the difference compounds with the steps
@@ -307,10 +313,10 @@ def test_two_ranks_match_one_process(random_data, baseline, tmp_path):
     compare(f"grad_norm, ddp.py --grad-accum 2, 2 ranks fp32 vs gpt2.py, {STEPS} steps", grad_norms(out),
             grad_norms(baseline), 1e-4, hint="the norm of the mean gradient: the loss / --grad-accum, / world")
     assert max(abs(a - b) / b for a, b in zip(grad_norms(out), grad_norms(baseline))) <= 1e-4
-    # --bucket-mb 2 applied: blocks + wpe (~0.5 MB) in bucket 0, launched under backward; wte (6.4 MB) last
-    fig = summary(out)
-    wte, total = 4 * 50304 * 32, gradient_mb() * 1e6
-    assert fig["buckets"] == 2 and abs(fig["bytes_launched_in_backward"] - (total - wte) / total) < 1e-9, fig
+    # --bucket-mb 0.1 applied: the blocks (0.1 MB) in bucket 0, launched under backward; wpe, wte (6.4 MB) last
+    fig, sizes = summary(out), bucket_bytes(0.1)
+    assert fig["buckets"] == len(sizes) == 2, (fig, sizes)
+    assert abs(fig["bytes_launched_in_backward"] - sizes[0] / sum(sizes)) < 1e-9, (fig, sizes)
     assert {"exposed_comm_ms", "exposed_comm_ms_naive", "exposed_comm_ms_buckets_no_overlap",
             "exposed_comm_ms_buckets_overlapped"} <= set(fig), fig  # --overlap-steps 2: the comparison ran
     closing = proc.stdout.strip().splitlines()[-2:]  # the core's lines, last (the handout ends alike)
@@ -363,7 +369,7 @@ def test_naive_matches_one_process(random_data, baseline, tmp_path):
 def test_zero2_with_grad_accum_matches_one_process(random_data, baseline, tmp_path):
     out = str(tmp_path / "zero2")
     proc = run_cli(["ddp.py"] + CFG + ["--data", random_data, "--steps", "12", "--batch-size", "2", "--grad-accum", "2",
-                                       "--zero", "2", "--bucket-mb", "2", "--overlap-steps", "0", "--eval-every", "0",
+                                       "--zero", "2", "--bucket-mb", "0.1", "--overlap-steps", "0", "--eval-every", "0",
                                        "--out", out], nproc=2)
     assert_close("train loss, ddp.py --zero 2 --grad-accum 2, 2 ranks fp32 vs gpt2.py", train_losses(out),
                  train_losses(baseline)[:12], 1e-5)
@@ -371,7 +377,7 @@ def test_zero2_with_grad_accum_matches_one_process(random_data, baseline, tmp_pa
     g = gradient_mb()
     closed = (2 + 1) * (2 - 1) / 2 * g  # a reduce-scatter per micro-step (no no_sync in ZeRO-2) + one all-gather
     assert len(recs) == 12 and all(abs(r["comm_mb"] - closed) <= 0.02 * closed for r in recs), recs[0]["comm_mb"]
-    # gradients: 4P/N kept + the bucket being reduced (the largest: wte, 50304 x 32 fp32, alone) + the two
+    # gradients: 4P/N kept + the bucket being reduced (the largest: wte, 50304 x 32 fp32, and wpe) + the one
     # before it still in flight (small here); plain and ZeRO-1 keep 4P
     wte = 4 * 50304 * 32 / 1e6
     line = next(l for l in proc.stdout.splitlines() if l.startswith("memory per rank (ZeRO-2, MB)"))
@@ -379,7 +385,7 @@ def test_zero2_with_grad_accum_matches_one_process(random_data, baseline, tmp_pa
     assert g / 2 + wte <= grads <= g / 2 + wte + 0.05 * g, (grads, g)
     assert abs(recs[0]["opt_state_mb"] - g) <= 0.05 * g
     assert "ZeRO-2: waited " in proc.stdout and "(host clock)" in proc.stdout
-    assert summary(out)["buckets"] == 2  # --bucket-mb 2 applied (25: one bucket, as the ZeRO-1 run shows)
+    assert summary(out)["buckets"] == 2  # --bucket-mb 0.1 applied (25: one bucket, as the ZeRO-1 run shows)
 
 
 def test_zero1_bf16_with_grad_accum_near_gpt2_bf16(random_data, tmp_path):
@@ -402,7 +408,7 @@ def test_zero1_bf16_with_grad_accum_near_gpt2_bf16(random_data, tmp_path):
     assert len(recs) == 3 and all(abs(r["comm_mb"] - ring) <= 0.1 * ring for r in recs), (recs[0]["comm_mb"], ring)
     assert abs(recs[0]["opt_state_mb"] - gradient_mb()) <= 0.05 * gradient_mb()  # half the replicated state
     assert "| ZeRO1DataParallel |" in proc.stdout
-    assert summary(out)["buckets"] == 1  # the default 25 MB: one bucket (the ZeRO-2 run's --bucket-mb 2: two)
+    assert summary(out)["buckets"] == 1  # the default 25 MB: one bucket (the ZeRO-2 run's --bucket-mb 0.1: two)
 
 
 def test_one_process_and_bad_input(random_data, baseline, tmp_path, monkeypatch, capsys):
@@ -545,7 +551,7 @@ def train_reference(optim):
 FIND_UNUSED = ("torch", "unused", "sharded", "torch+sharded")  # the kinds that must find `never` unused
 
 
-def train_toy(rank, world, kind, bucket_mb=0.0004, optim="adamw"):
+def train_toy(rank, world, kind, bucket_mb=0.0002, optim="adamw"):
     """kind: torch (DistributedDataParallel), unused (our FindUnusedParameters), plain / zero1 / zero2 (our
     DataParallel, ZeRO1DataParallel, ZeRO2DataParallel with its make_optimizer; they refuse a parameter with
     no gradient, as torch's DDP without find_unused_parameters: `never` frozen, and rank 0 multiplies
@@ -605,10 +611,10 @@ def check_module_api(rank, world):
     return same_out and same_params
 
 
-TOY = [("torch", 0, "adamw"), ("plain", 0.0, "adamw"), ("plain", 0.0004, "adamw"), ("plain", 25.0, "adamw"),
-       ("unused", 0.0, "adamw"), ("unused", 0.0004, "adamw"), ("unused", None, "adamw"), ("zero1", 0.0004, "adamw"),
-       ("zero2", 0.0, "adamw"), ("zero2", 0.0004, "adamw"), ("zero2", None, "adamw"), ("sharded", 25.0, "adamw"),
-       ("sharded", 25.0, "sgd"), ("zero1", 0.0004, "sgd"), ("torch+sharded", 0, "sgd")]
+TOY = [("torch", 0, "adamw"), ("plain", 0.0, "adamw"), ("plain", 0.0002, "adamw"), ("plain", 25.0, "adamw"),
+       ("unused", 0.0, "adamw"), ("unused", 0.0002, "adamw"), ("unused", None, "adamw"), ("zero1", 0.0002, "adamw"),
+       ("zero2", 0.0, "adamw"), ("zero2", 0.0002, "adamw"), ("zero2", None, "adamw"), ("sharded", 25.0, "adamw"),
+       ("sharded", 25.0, "sgd"), ("zero1", 0.0002, "sgd"), ("torch+sharded", 0, "sgd")]
 
 
 def train_gpt(rank, world, kind, steps=2):
@@ -616,7 +622,7 @@ def train_gpt(rank, world, kind, steps=2):
     model = gpt2.GPT(gpt2.GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32))
     args = SimpleNamespace(lr=1e-3, beta2=0.95, weight_decay=0.1)
     opt = gpt2.make_adamw(gpt2.optimizer_groups(model, 0.1), args, torch.device("cpu"))
-    net = nn.parallel.DistributedDataParallel(model) if kind == "torch" else ddp.DataParallel(model, bucket_mb=0.05)
+    net = nn.parallel.DistributedDataParallel(model) if kind == "torch" else ddp.DataParallel(model, bucket_mb=0.02)
     g = torch.Generator().manual_seed(rank)
     for _ in range(steps):
         idx = torch.randint(0, 50257, (2, 16), generator=g)
@@ -634,7 +640,7 @@ def unused_refused(rank, world):
     """DataParallel on Toy with `never` trainable (forward never calls it): finish_grad_sync refuses it on
     every rank, before any collective of the step, naming it and the fix. Returns the message."""
     torch.manual_seed(0)
-    dp = ddp.DataParallel(Toy(), bucket_mb=0.0004)
+    dp = ddp.DataParallel(Toy(), bucket_mb=0.0002)
     toy_loss(dp, toy_data(rank)[0][0], rank, touch_all=True).backward()
     try:
         dp.finish_grad_sync()
@@ -685,7 +691,7 @@ def test_building_blocks_match_one_process_and_torch_ddp():
             if v[0] != "torch+sharded":  # our DataParallel's buckets
                 per_param = 7 if v[0] in FIND_UNUSED else 5  # 0: one per parameter (tied: once; `never` frozen)
                 assert buckets == {0.0: per_param, None: 1}.get(v[1], buckets), (v, buckets)
-                assert buckets > (2 if v[1] == 0.0004 else 0), (v, buckets)
+                assert buckets > (2 if v[1] == 0.0002 else 0), (v, buckets)
             if v[0] in ("zero1", "zero2", "sharded", "torch+sharded"):  # each element's state on one rank only
                 used = n_trainable - 8 * 8 - 8  # `never` has no gradient, so no state
                 per_elem = 2 if v[2] == "adamw" else 1  # AdamW: exp_avg, exp_avg_sq; SGD: momentum
