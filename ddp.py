@@ -32,9 +32,9 @@ bytes and memory per rank against their closed forms, the checks, the full comma
         --steps 20 --out out/ddp
 ends with the share of gradient bytes whose all-reduce started under backward, and the wait left
 (times vary; these are 2 busy CPU cores):
-    step    19 | loss 3.1000 | norm 1.2339 | lr 1.00e-03 |  1243.9 ms |      1646 tok/s | comm 3.37 MB
-    gradient bytes launched during backward: 0.94 (4 buckets) | exposed after backward: 33.3 ms/step
-    exposed comm after backward, ms per step: naive 492.9 | buckets, no overlap 66.5 | overlapped 26.4
+  step    19 | loss 3.1000 | norm 1.2339 | lr 1.00e-03 | (ms, tok/s) | comm 3.37 MB
+  gradient bytes launched during backward: 0.94 (4 buckets) | exposed after backward: 33.3 ms/step
+  exposed comm after backward, ms per step: naive 492.9 | buckets, no overlap 66.5 | overlapped 26.4
 """
 import contextlib
 import math
@@ -125,7 +125,6 @@ class DataParallel(nn.Module):
         self.module, self.meter = module, meter or gpt2.CommMeter()
         self.timeline = timeline or NO_TIMELINE  # draws only the step it is started on
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.names = {p: name for name, p in module.named_parameters()}  # a tied one once
         self.params = [p for p in self.names if p.requires_grad]
         for t in [*module.parameters(), *module.buffers()] if self.world > 1 else []:
@@ -235,8 +234,8 @@ def make_ddp(args, model, meter, timeline):
 
 
 def median_ms(spans):
-    """The median of (start, end) pairs of timeline.now(): CUDA events on the stream (what waits for
-    NCCL), else host seconds (gloo). The median: one step slowed by another process does not move it."""
+    """The median of (start, end) pairs of timeline.now(): CUDA events on the stream (what waits
+    for NCCL), else host seconds (gloo). A step slowed by another process barely moves a median."""
     if spans and isinstance(spans[0][0], torch.cuda.Event):
         torch.cuda.synchronize()
         return statistics.median(a.elapsed_time(b) for a, b in spans)
@@ -580,6 +579,7 @@ class ZeRO1DataParallel(DataParallel):
     make_optimizer (laid out on these buckets) step. Gradients 4P (the full buffers), optimizer state 8P/N."""
 
     def __init__(self, module, bucket_mb=25.0, meter=None, timeline=None):
+        self.rank = dist.get_rank() if dist.is_initialized() else 0  # this rank owns slice `rank`
         super().__init__(module, bucket_mb, meter, timeline)
         self.optimizer = None  # the ShardedOptimizer whose pieces receive the reduced slices
 
