@@ -577,9 +577,11 @@ def flag_runs(rank, world, base, out):
     found = {}
     for name, flags in runs.items():
         fsdp, _ = fsdp2.cli(base + flags + ["--out", os.path.join(out, name)])
-        loader, _ = g.make_loaders(g.make_parser("").parse_args(base + flags), rank, world, fsdp.module.config.vocab_size)
-        x, y = loader.next_batch()
-        act = fsdp2.activation_mb(lambda: fsdp(x, y)[1], fsdp) if hasattr(fsdp, "all_units") else None
+        act = None
+        if name in ("default", "checkpointed"):
+            args = fsdp2.add_flags(fsdp2.make_parser()).parse_args(base + flags)
+            x, y = g.make_loaders(args, rank, world, fsdp.module.config.vocab_size)[0].next_batch()
+            act = fsdp2.activation_mb(lambda: fsdp(x, y)[1], fsdp)
         if rank == 0:
             recs = read_metrics(os.path.join(out, name))
             found[name] = {"losses": [r["loss"] for r in recs if "loss" in r], "summary": recs[-1].get("summary"),
