@@ -193,8 +193,8 @@ class FullyShardedModel(nn.Module):
         pairs = zip(self.all_units, [rest] * bool(rest) + groups)
         to_full = {id(p): f for u, ps in pairs for p, f in zip(ps, u.full)}
         for m in module.modules():  # swap every reference, so a tied weight is one tensor again
-            named = m._parameters.items()
-            m._parameters.update({k: to_full[id(p)] for k, p in named if p is not None})
+            for name, p in list(m.named_parameters(recurse=False, remove_duplicate=False)):
+                setattr(m, name, to_full[id(p)])
         trained = [(u, p) for u in self.all_units for p in u.full if p.requires_grad]
         for unit, full in trained:
             full.register_post_accumulate_grad_hook(lambda p, unit=unit: self._post_backward(unit))
