@@ -23,7 +23,7 @@ Read first: NaiveZeRO3, ShardedUnit.unshard, ShardedUnit.reduce_scatter_grads, F
 train. Beyond the core (subclasses overriding whole methods): SHARD_GRAD_OP (KeepGatheredModel,
 --reshard-after-forward 0), HSDP (HybridShardedModel, --replicate R: its replica all-reduce runs
 under the next unit's backward), activation checkpointing (RecomputingModel), full_state_dict.
-Appendix: memory and traffic against their formulas, the flags, their checks, the classes they pick.
+Below the last banner: memory and traffic against their formulas, the flags, checks and classes.
 
 On the course data (python gpt2.py prepare --text FILE --tokenizer char --out data/shakespeare_char)
     torchrun --nproc_per_node=2 fsdp2.py --data data/shakespeare_char --steps 20 --batch-size 4 \
