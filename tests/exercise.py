@@ -31,14 +31,15 @@ EXERCISES = {
     ],
     "fsdp2.py": [
         ("NaiveZeRO3.reduce_scatter_grads", "after backward, for each parameter: its gradient cut into N row-blocks "
-                                            "(torch._chunk_cat), reduce-scatter (SUM), / N, added into the slice's "
+                                            "(rank_major), reduce-scatter (SUM), / N, added into the slice's "
                                             ".grad; then free the full gradient and weight"),
         ("ShardedUnit.unshard", "wait for the unit's all-gather (start_gather issues it), give each padded "
                                 "parameter its storage back and copy every rank's rows into it (one copy)"),
         ("ShardedUnit.reshard", "free each padded parameter's storage (resize it to 0 bytes), keeping the tensor"),
         ("ShardedUnit.reduce_scatter_grads", "lay the full gradients out rank-major in one fp32 buffer (N, "
-                                             "shard_numel) with one copy, reduce-scatter (SUM) it asynchronously; "
-                                             "return (work, out, buf, issue time)"),
+                                             "shard_numel): torch.cat of each one's rank_major(...) along dim 1, "
+                                             "out=buf; reduce-scatter (SUM) it asynchronously; return (work, out, "
+                                             "buf, issue time)"),
     ],
     "tensor_parallel.py": [
         ("CopyToTP.backward", "f's backward: all-reduce (sum) the input gradient over the TP group"),
@@ -191,6 +192,14 @@ BUGS = {
         ("units never freed after forward", "unit.reshard()  # ZeRO-3: free", "pass  # ZeRO-3: free",
          "the same losses, but every unit stays gathered from its forward to its backward (SHARD_GRAD_OP's memory)",
          "gradients_after_one_step_and", "is each unit freed"),
+        ("gradients reduced in param_dtype", "dtype=torch.float32, device=self.device)",
+         "dtype=self.param_dtype, device=self.device)",
+         "fp32 runs are right; with param_dtype=bfloat16 the gradients are summed in bf16 and the slices' .grad "
+         "is bf16 (fully_shard's reduce_dtype=float32 sums in fp32)", "param_dtype", "keep and reduce in fp32"),
+        ("HSDP's replica all-reduce waited at once", "            self.pending_ar = (unit, work, out)\n",
+         "            self.pending_ar = (unit, work, out)\n            self.wait_all_reduce()\n",
+         "every gradient and curve is right, but the compute stream waits out each unit's inter-node all-reduce",
+         "hsdp_gradients", "waited for at once"),
     ],
 
     "tensor_parallel.py": [
