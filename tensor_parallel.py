@@ -370,6 +370,16 @@ def train(args, Grid=Grid, Model=TensorParallelGPT):
     return model, metrics
 
 
+def saved_activation_bytes(model, idx, targets):
+    """Bytes autograd keeps for one micro-batch's backward, as (embedding + blocks, head + loss),
+    and the loss (a caller may go on to backward)."""
+    with gpt2.SavedBytes(exclude=model.parameters()) as blocks:
+        x = model.forward_blocks(model.embed(idx))
+    with gpt2.SavedBytes(exclude=model.parameters()) as head:
+        loss = model.head_loss(x, targets)
+    return blocks.bytes, head.bytes, loss
+
+
 def report(args, model, metrics):
     """The payoff, printed and recorded in metrics.jsonl: the bytes each step sent against their
     closed form, the activations one micro-batch keeps on this rank against theirs and --tp 1's."""
@@ -379,24 +389,23 @@ def report(args, model, metrics):
     n_local = sum(p.numel() for p in model.parameters())
     probe = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
     probe = probe.to(ctx.device)
-    with ctx.autocast(), gpt2.SavedBytes(exclude=model.parameters()) as blocks:
-        x = model.forward_blocks(model.embed(probe))
-    with ctx.autocast(), gpt2.SavedBytes(exclude=model.parameters()) as head:
-        model.head_loss(x, probe)
+    model.eval()  # no activation checkpointing: every tensor the closed form counts
+    with ctx.autocast():
+        blocks, head, _ = saved_activation_bytes(model, probe, probe)
+    model.train()
     model.grid.meter.take_mb()  # the probe's collectives are not a step's
     cb, ch = (b / 1e6 for b in model.activation_bytes_closed_form(B, T))  # fp32
     cb1 = model.activation_bytes_closed_form(B, T, 1)[0] / 1e6
     gpt2.print0(f"communication per step per rank: {min(sent):.3f} .. {max(sent):.3f} MB measured "
                 f"over {len(sent)} steps, {closed:.3f} MB closed form | "
                 f"{n_local / 1e6:.2f}M params on this rank")
-    gpt2.print0(f"activations per rank, one micro-batch: {blocks.bytes / 1e6:.2f} MB embedding + "
+    gpt2.print0(f"activations per rank, one micro-batch: {blocks / 1e6:.2f} MB embedding + "
                 f"blocks (fp32 closed form {cb:.2f}; {cb1:.2f} at --tp 1), "
-                f"{head.bytes / 1e6:.2f} MB head + loss (closed form {ch:.2f})")
+                f"{head / 1e6:.2f} MB head + loss (closed form {ch:.2f})")
     metrics.log_summary({"comm_mb_per_step": max(sent), "comm_mb_closed_form": closed,
-                         "params_per_rank": n_local, "activation_mb_blocks": blocks.bytes / 1e6,
+                         "params_per_rank": n_local, "activation_mb_blocks": blocks / 1e6,
                          "activation_mb_blocks_closed_form": cb, "activation_mb_blocks_tp1": cb1,
-                         "activation_mb_head": head.bytes / 1e6,
-                         "activation_mb_head_closed_form": ch})
+                         "activation_mb_head": head / 1e6, "activation_mb_head_closed_form": ch})
 
 
 def make_parser():
