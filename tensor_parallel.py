@@ -1,4 +1,4 @@
-"""
+r"""
 tensor_parallel.py - Megatron-LM tensor parallelism for GPT-2 from torch.distributed primitives:
 column- and row-parallel matmuls, a vocab-parallel embedding and loss, a grid of TP x DP ranks.
 
@@ -27,12 +27,15 @@ Who sums what (t TP ranks hold one model; d DP ranks hold the same shard for oth
     norm^2 of replicated grads (LN, wpe,  | TP   | counted once: /t  | grad_norm (after the DP mean)
         row biases: equal on TP ranks)
     the printed loss                      | DP   | mean              | train
-Below the banners: sequence parallelism, dX's all-reduce under dW (--overlap-comm), the zoomed
-timeline, the gathered model.pt and the full command line.
+Below the banners: sequence parallelism, --overlap-comm, the gathered model.pt, the full CLI.
 
 Read first: CopyToTP, ReduceFromTP (f, g), RowParallelLinear, VocabParallelCrossEntropy, train.
-Run: torchrun --nproc_per_node=2 tensor_parallel.py --tp 2 --data data/shakespeare_char --out out/tp
-RUN_LINES
+Run (a minute on 2 CPU cores; the closing lines are the payoff, each figure beside its closed form):
+    torchrun --nproc_per_node=2 tensor_parallel.py --data data/shakespeare_char --steps 20 \
+        --batch-size 8 --seq-len 64 --out out/tp
+    communication per step per rank: 4.725 .. 4.725 MB measured over 20 steps, 4.725 MB closed ..
+    activations per rank, one micro-batch: 10.54 MB embedding + blocks (fp32 closed form 10.54;
+        16.85 at --tp 1), 0.66 MB head + loss (closed form 0.66)
 Shoeybi et al. 2019 (Megatron-LM) 3, fig. 3-4; Korthikanti et al. 2022 4.1, 4.2.2 (SP).
 """
 import os
