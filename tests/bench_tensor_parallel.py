@@ -178,7 +178,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024):
         model.sync_grads()
         tp.clip_grad_norm(model, grid, args.grad_clip)
         opt.step()
-        tp.all_reduce(loss.detach(), grid, "loss dp", group="dp")
+        tp.all_reduce(loss.detach(), grid, group="dp")
         step_mb = grid.meter.take_mb()
         n_local = sum(p.numel() for p in model.parameters())
         # closed form of this rank's parameters: the cut matmuls and wte over t, the rest whole
