@@ -70,6 +70,7 @@ class Grid:
     def f(self, x):  # into a column-parallel matmul: forward identity, backward all-reduce
         return CopyToTP.apply(x, self)
 
+    @torch.compiler.disable  # a collective: --compile compiles the matmuls around it
     def g(self, x):  # out of a row-parallel matmul: forward all-reduce, backward identity
         return ReduceFromTP.apply(x, self)
 
@@ -334,7 +335,7 @@ def train(args, Grid=Grid, Model=TensorParallelGPT):
     profiler = gpt2.Profiler(args, ctx)
     gpt2.print0(f"model {args.model}: {n_params / 1e6:.2f}M non-embedding params | "
                 f"TP={grid.tp} x DP={grid.dp}")
-    for b in model.h if args.compile else []:  # the local math only: collectives sit between them
+    for b in model.h if args.compile else []:  # the local math: g (in c_proj) is left out
         b.attn.compile()
         b.mlp.compile()
 
@@ -558,6 +559,7 @@ class SequenceParallelGrid(Grid):
     def f(self, x):
         return GatherSequence.apply(x, self)
 
+    @torch.compiler.disable  # a collective inside the row matmul: --compile stops around it
     def g(self, x):
         return ReduceScatterSequence.apply(x, self)
 
