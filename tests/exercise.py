@@ -44,8 +44,10 @@ EXERCISES = {
     "tensor_parallel.py": [
         ("CopyToTP.backward", "f's backward: all-reduce (sum) the input gradient over the TP group"),
         ("ReduceFromTP.forward", "g's forward: all-reduce (sum) the partial outputs over the TP group"),
-        ("ParallelBlock.forward", "the block written literally: f -> column matmul -> attention -> row matmul -> g, "
-                                  "then the bias once, twice (attention, MLP), with the residuals"),
+        ("RowParallelLinear.forward", "this rank's partial sum X_r W_r^T (no bias), g (the sum over the TP "
+                                      "group), then the bias once"),
+        ("ParallelBlock.forward", "the block: f (enter_tp) in front of each column matmul (attention, MLP), "
+                                  "with the residuals; g is inside each row matmul"),
         ("VocabParallelCrossEntropy.forward", "the mean cross-entropy from (N, V/t) logit shards: all-reduce the "
                                               "row max (MAX), then [sum of exp, target logit] (SUM); save the "
                                               "softmax for backward"),
@@ -129,8 +131,8 @@ HINTS = {
 CHECKS = {
     "ddp.py": ("two_ranks_match_one_process", ("1.0 / self.world", "1.0")),  # gradients summed, not averaged
     "fsdp2.py": ("gradients_after_one_step", ("out /= dist.get_world_size()", "out /= 1")),  # reduce-scatter summed
-    "tensor_parallel.py": ("parallel_layers_dtensor", ("return all_reduce(grad.contiguous(), ctx.grid, ctx.label), None, None",
-                                                       "return grad, None, None")),  # f's backward without its all-reduce
+    "tensor_parallel.py": ("parallel_layers_dtensor", ("return all_reduce(grad.contiguous(), ctx.grid), None",
+                                                       "return grad, None")),  # f's backward without its all-reduce
     "pipeline.py": ("two_ranks_every_schedule", ("out = self.model.head_loss(h, self.ys[mb]) * self.scale",
                                                  "out = self.model.head_loss(h, self.ys[mb])")),  # losses not scaled by 1/M
     "moe_ep.py": ("expert_parallel_equals_one_process", ("    flat /= world\n", "    flat /= n\n")),  # / EP group
@@ -205,24 +207,27 @@ BUGS = {
     "tensor_parallel.py": [
         ("the loss all-reduces the row max but never subtracts it",
          """        exp = (logits - row_max.unsqueeze(1)).exp_()  # (N, V/t): shifted, so exp never overflows
-        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is on this rank
+        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is here
         local_t = (targets - lo).masked_fill(~mine, 0)  # (N,)
-        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)  # (N,)
-        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid, "loss sums")  # (2, N)
+        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1)  # (N,)
+        target_logit = target_logit.masked_fill(~mine, 0.0)  # the owner's, 0 elsewhere
+        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid)  # (2, N)
         loss = (stats[0].log() + row_max - stats[1]).mean()""",
          """        exp = logits.exp()  # (N, V/t)
-        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is on this rank
+        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is here
         local_t = (targets - lo).masked_fill(~mine, 0)  # (N,)
-        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)  # (N,)
-        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid, "loss sums")  # (2, N)
+        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1)  # (N,)
+        target_logit = target_logit.masked_fill(~mine, 0.0)  # the owner's, 0 elsewhere
+        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid)  # (2, N)
         loss = (stats[0].log() - stats[1]).mean()""",
          "training from scratch matches gpt2.py; from OpenAI's weights (logits near 1000) the loss is inf or nan",
          "parallel_layers_dtensor", "loss_offset1000"),
-        ("the attention's row-parallel bias added on every rank, before g",
-         "        x = x + (exit_tp(y, self.grid, g) + self.attn_bias)  # g, then the bias once",
-         "        x = x + exit_tp(y + self.attn_bias, self.grid, g)  # g, then the bias once",
+        ("the row-parallel bias added on every rank, before g",
+         "        y = self.grid.g(F.linear(x, self.weight))  # this rank's partial sum, then the sum of all\n"
+         "        return y if self.bias is None else y + self.bias  # once, after g",
+         "        return self.grid.g(F.linear(x, self.weight, self.bias))  # every rank's bias, summed",
          "from scratch (zero biases) the first steps match gpt2.py, then the curves part; pretrained weights are off "
-         "from step 0", "parallel_layers_dtensor", "block_out"),
+         "from step 0", "parallel_layers_dtensor", "row_out"),
         ("gradients summed over the DP group instead of averaged",
          "torch.cat([g.reshape(-1) for g in grads]).div_(self.grid.dp)",
          "torch.cat([g.reshape(-1) for g in grads])",
@@ -234,19 +239,21 @@ BUGS = {
          "the curve drifts from gpt2.py's only while clipping is active (a slightly larger norm, a smaller step)",
          "parallel_layers_dtensor", "clip_norm"),
         ("g's backward all-reduces the gradient as well (f and g not conjugate)",
-         """        return all_reduce(x, grid, label)
+         """        return all_reduce(x, grid)
+
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None""",
+        return grad, None""",
          """        ctx.grid = grid
-        return all_reduce(x, grid, label)
+        return all_reduce(x, grid)
+
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.contiguous(), ctx.grid, "g backward"), None, None""",
+        return all_reduce(grad.contiguous(), ctx.grid), None""",
          "the loss is right at step 0 and wrong from step 1: every gradient below a row-parallel matmul is t times "
          "too large", "parallel_layers_dtensor", "row_dx"),
         ("the loss's backward subtracts the one-hot on every rank, not only on the target's owner",
-         "        one_hot = mine.to(softmax.dtype).unsqueeze(1)  # (N, 1): 1 where this rank holds the target, else 0",
+         "        one_hot = mine.to(softmax.dtype).unsqueeze(1)  # (N, 1): 1 where this rank holds the target",
          "        one_hot = torch.ones_like(softmax[:, :1])  # (N, 1)",
          "the loss is right at step 0, wrong from step 1; the embedding learns the wrong tokens",
          "parallel_layers_dtensor", "loss_dwte"),
@@ -255,6 +262,14 @@ BUGS = {
          "    foreign = (idx < lo) | (idx > hi)  # (B, T)",
          "an IndexError on the first batch holding the token id t*V/t's boundary (25152 at TP=2), or a silently "
          "doubled embedding row", "parallel_layers_dtensor", "vocab_parallel_embedding"),
+        ("the clip reads the norm on the host", "    return all_reduce(torch.stack(sq).sum(), grid).sqrt()\n",
+         "    return torch.tensor(all_reduce(torch.stack(sq).sum(), grid).sqrt().item())\n",
+         "every curve matches; on CUDA every step waits for the GPU once more, in the clip",
+         "norm_and_clip_add_no_host_sync", "host syncs in grad_norm"),
+        ("--overlap-comm read but not applied", "    elif args.overlap_comm:\n        grid_class, model_class",
+         "    elif False:\n        grid_class, model_class",
+         "every curve matches (the same products); the timeline shows no dX all-reduce under its dW",
+         "each_flag_changes_what_it_must", "the flag must move each all-reduce before its dW"),
     ],
 
     "pipeline.py": [
