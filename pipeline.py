@@ -248,10 +248,10 @@ def measure_bubble(pipe, x, y):
     ms = (lambda a, b: b - a) if pipe.ctx.device.type != "cuda" else (lambda a, b: a.elapsed_time(b))
     busy = sum(ms(a, b) for _, a, b in pipe.spans)
     mine = torch.tensor([busy, ms(start, end), pipe.peak_held], dtype=torch.float64, device=pipe.ctx.device)
-    every = mine.repeat(pipe.ctx.world, 1)  # (world, 3): every rank's figures
+    every = [mine.clone() for _ in range(pipe.ctx.world)]  # every rank's figures
     if pipe.ctx.world > 1:
-        dist.all_gather_into_tensor(every, mine)
-    every = every[:pipe.P].tolist()  # the first pipeline's ranks
+        dist.all_gather(every, mine)
+    every = torch.stack(every[:pipe.P]).tolist()  # the first pipeline's ranks
     step_ms = max(t for _, t, _ in every)
     return {"bubble": sum(1 - b / step_ms for b, _, _ in every) / pipe.P, "step_ms": step_ms,
             "bubble_closed_form": (pipe.P - 1) / (pipe.M + pipe.P - 1), "held": [int(h) for _, _, h in every]}
