@@ -1,32 +1,36 @@
 """
-pipeline.py - pipeline parallelism: GPT-2's blocks cut into P stages, one per rank; micro-batches stream through.
+pipeline.py - pipeline parallelism: GPT-2's blocks cut into P stages, one per rank; micro-batches
+stream through.
 
-The batch is split into M micro-batches. Only the activation at a cut, (B/M, T, C), moves down to the next
-stage, and its gradient moves back up, point to point. naive_step (--naive): every forward, then every
-backward; a rank holds all M micro-batches. one_f_one_b (the default, PipeDream-Flush): after P-1-stage
-warm-up forwards, one forward then one backward: the same bubble, (P-1)/(M+P-1) of the step, but a rank
-holds only P - stage micro-batches. Every exchange is one batch_isend_irecv that waits: each send is paired
-by hand with the receive its peer posts at the same point of its own loop (on NCCL a send may block until
-its receive is posted, so two ranks each sending first would hang). 1F1B at P=2, M=4, as the loop runs
-([...]: one batch_isend_irecv; >a1: send micro-batch 1's activation, <g0: receive micro-batch 0's gradient):
+The batch is split into M micro-batches. Only the activation at a cut, (B/M, T, C), moves down to
+the next stage, and its gradient moves back up, point to point. naive_step (--naive): every forward,
+then every backward; a rank holds all M micro-batches. one_f_one_b (the default, PipeDream-Flush):
+P-1-s warm-up forwards on stage s, then one forward, one backward: the same bubble, (P-1)/(M+P-1) of
+the step, but stage s holds only P - s micro-batches. Each exchange is one batch_isend_irecv,
+waited; a send is paired by hand with the receive the peer posts at the same point of its loop (on NCCL
+a send may block until its receive is posted: two ranks each sending alone first would hang). 1F1B,
+P=2, M=4, as the loop runs ([...]: one batch_isend_irecv; >a1 sends micro-batch 1's activation, <g0
+receives micro-batch 0's gradient):
   rank 0  F0 [>a0] F1 [>a1 <g0] B0 F2 [>a2 <g1] B1 F3 [>a3 <g2] B2 [<g3] B3
   rank 1  [<a0] F0 B0 [>g0 <a1] F1 B1 [>g1 <a2] F2 B2 [>g2 <a3] F3 B3 [>g3]
-Who sums what (stage r: blocks [r*L/P, (r+1)*L/P); rank 0 also wte and wpe, rank P-1 ln_f and lm_head = wte):
-  loss         the last stage scales each micro-batch's mean loss by 1/(M x --grad-accum): gradients of the mean
-  stage grads  autograd sums them over the micro-batches (+=); never across stages (no two share a weight but wte)
-  wte/lm_head  one copy on rank 0 (embedding), one on rank P-1 (head): gradients summed over that pair
-  logged loss  the last stage's sum, all-reduced; read with the gradient norm in the step's one host sync
-  clip norm    each rank's sum of squares (wte counted once, on rank 0), summed over the pipeline: every rank
-               scales by the same min(1, clip / norm), as torch.nn.utils.clip_grad_norm_ on the whole model
-The payoff, printed and recorded in OUT/metrics.jsonl: one more batch timed op by op, its bubble (each rank's
-idle share of the step, averaged) beside the closed form, and the micro-batches each rank held.
-Read first: naive_step, one_f_one_b, Pipeline.exchange, forward, backward, train. Beyond the core: messages
-planned ahead and run beside compute (plan_messages), --schedule gpipe, zbh1, interleaved, dualpipe, dualpipev,
---dp D pipeline replicas; the appendix: each schedule's closed form and picture (OUT/schedule.png).
-Run (data: python gpt2.py prepare --text tinyshakespeare.txt --tokenizer char --out data/shakespeare_char):
+Who sums what (stage s: blocks [s*L/P, (s+1)*L/P); stage 0 also wte, wpe; stage P-1 ln_f, lm_head):
+  loss       the last stage scales each micro-batch's mean loss by 1/(M x --grad-accum)
+  grads      autograd sums them over the micro-batches (+=); no two stages share a weight but wte
+  wte        one copy on stage 0 (embedding), one on stage P-1 (lm_head): their gradients summed
+  norm       each rank's sum of squares (wte counted once, on stage 0) summed over the pipeline:
+             every rank clips by the same min(1, clip / norm), as clip_grad_norm_ on the whole model
+  logged     the loss all-reduced, read with the norm in the step's one host sync
+Payoff (printed, and OUT/metrics.jsonl's summary): 3 more batches timed op by op, their bubble
+(each rank's idle share of the step, averaged) beside the closed form; micro-batches held per rank.
+Read first: naive_step, one_f_one_b, Pipeline.exchange, .forward, .backward, train.
+Beyond the core: messages planned ahead, in flight while ranks compute (plan_messages); --schedule
+gpipe, zbh1, interleaved, dualpipe, dualpipev; --dp D replicas. Appendix: each schedule's closed
+form and picture (OUT/schedule.png), the checks, the CLI.
+Run (the data: python gpt2.py prepare --text ../shared/data/tinyshakespeare.txt --tokenizer char
+--out data/shakespeare_char):
   torchrun --nproc_per_node=2 pipeline.py --data data/shakespeare_char --steps 20 --out out/pp
-It ends (the bubble varies from run to run):
-  CLOSING
+It ends (the bubble varies a little from run to run):
+CLOSING
 """
 import functools
 import os
@@ -41,7 +45,7 @@ from gpt2 import print0
 
 
 def forwards(pipe, x, y, scale):
-    """Every micro-batch's forward in turn: receive the activation, run my blocks, send my output down."""
+    """Every micro-batch's forward in turn: the activation in, my blocks, my output out."""
     pipe.start(x, y, scale)
     for mb in range(pipe.M):
         h = pipe.exchange(recv_from=pipe.up)  # (B/M, T, C), or None on the first stage
@@ -50,19 +54,19 @@ def forwards(pipe, x, y, scale):
 
 
 def naive_step(pipe, x, y, scale):
-    """--naive (picotron's all-forward-all-backward): every forward, then every backward, one message per
-    exchange. No cycle: activations flow only down, gradients only up, each received in the order sent."""
+    """--naive (picotron's all-forward-all-backward): every forward, then every backward, one
+    message per exchange. No cycle: activations flow only down, gradients only up, in order."""
     forwards(pipe, x, y, scale)
-    for mb in range(pipe.M):  # receive my output's gradient, backpropagate, send my input's gradient up
+    for mb in range(pipe.M):  # my output's gradient in, backpropagate, my input's gradient out
         grad = pipe.exchange(recv_from=pipe.down)  # (B/M, T, C), or None on the last stage
         pipe.exchange(pipe.up, pipe.compute("B", mb, grad))
     return pipe.loss_sum
 
 
 def one_f_one_b(pipe, x, y, scale):
-    """1F1B (PipeDream-Flush): naive_step's bubble, but stage s holds P - s micro-batches, not M. In the
-    steady state each forward's send down is paired with the receive of a gradient from below, and each
-    backward's send up with the receive of the next activation from above: the peer runs the mirror pair."""
+    """1F1B (PipeDream-Flush): naive_step's bubble, but stage s holds P - s micro-batches, not M. In
+    the steady state a forward's send down rides with the receive of a gradient from below, and a
+    backward's send up with the receive of the next activation: the peer posts the mirror pair."""
     P, M, s = pipe.P, pipe.M, pipe.stage
     warmup = min(P - 1 - s, M)  # forwards to issue before the first backward comes back
     pipe.start(x, y, scale)
@@ -72,8 +76,8 @@ def one_f_one_b(pipe, x, y, scale):
     h = pipe.exchange(recv_from=pipe.up) if warmup < M else None
     for i in range(M - warmup):  # steady state: forward warmup + i, then backward i
         out = pipe.compute("F", warmup + i, h)
-        grad = pipe.exchange(pipe.down, out, recv_from=pipe.down)  # my activation down, a gradient up
-        more = warmup + i + 1 < M  # one more forward to come: its activation rides with my gradient
+        grad = pipe.exchange(pipe.down, out, recv_from=pipe.down)  # activation down, gradient up
+        more = warmup + i + 1 < M  # a forward still to come: its activation rides with my gradient
         h = pipe.exchange(pipe.up, pipe.compute("B", i, grad), recv_from=pipe.up if more else None)
     for mb in range(M - warmup, M):  # cooldown: drain the backwards
         grad = pipe.exchange(recv_from=pipe.down)
@@ -82,7 +86,8 @@ def one_f_one_b(pipe, x, y, scale):
 
 
 def keep_only(model, layers, first, last):
-    """Strip the model, in place, to a rank's blocks, the embeddings if first, ln_f and lm_head (= wte) if last."""
+    """Strip the model, in place, to a stage's blocks, the embeddings if first, ln_f and lm_head (=
+    wte) if last."""
     for i in set(range(model.config.n_layer)) - set(layers):
         model.h[i] = nn.Identity()
     model.wte, model.wpe = (model.wte, model.wpe) if first else (None, None)
@@ -91,25 +96,26 @@ def keep_only(model, layers, first, last):
 
 
 class Pipeline:
-    """This rank's stage of GPT-2 (its blocks; the embeddings on the first stage, ln_f and the head on the
-    last), the exchange and the two ops the loops call, and the step's sums. saved: per (stage,
-    micro-batch) what its backward needs; spans: the step's ops, timed (the bubble is the time outside)."""
+    """This rank's stage of GPT-2 (its blocks; the embeddings on the first stage, ln_f and the head
+    on the last), the exchange and the two ops the loops call, and the step's sums. saved: per
+    (stage, micro-batch) what its backward needs; spans: the step's ops, timed (the bubble is the
+    time outside them)."""
 
     def __init__(self, args, ctx, P):
-        self.args, self.ctx, self.P, self.S, self.M = args, ctx, P, P, args.micro_batches  # S stages
-        self.stage = ctx.rank % P  # one stage per rank
-        self.up = self.rank_of(self.stage - 1) if self.stage > 0 else None  # the ranks around my stage
+        self.args, self.ctx, self.P, self.M = args, ctx, P, args.micro_batches
+        self.S, self.stage = P, ctx.rank % P  # P stages, one per rank
+        self.up = self.rank_of(self.stage - 1) if self.stage > 0 else None  # the neighbours' ranks
         self.down = self.rank_of(self.stage + 1) if self.stage < P - 1 else None
         self.comm, self.spans, self.peak_held = gpt2.CommMeter(), [], 0
-        model = gpt2.build_model(args)  # the full model from --seed, then keep only this rank's stage
+        model = gpt2.build_model(args)  # the full model from --seed, then only this rank's stage
         self.cfg, self.n_params, per = model.config, model.num_params(), model.config.n_layer // P
-        self.layers = {s: (s * per, (s + 1) * per) for s in range(P)}  # blocks [lo, hi) of each stage
+        self.layers = {s: (s * per, (s + 1) * per) for s in range(P)}  # blocks [lo, hi) per stage
         self.first, self.last = self.stage == 0, self.stage == P - 1
-        self.model = keep_only(model, range(*self.layers[self.stage]), self.first, self.last)
-        self.model.to(ctx.device)
-        for i in range(*self.layers[self.stage]) if args.compile else ():  # per block: cuts stay Python
+        mine = range(*self.layers[self.stage])
+        self.model = keep_only(model, mine, self.first, self.last).to(ctx.device)
+        for i in mine if args.compile else ():  # per block: the cuts between stages stay Python
             self.model.h[i].compile()
-        self.wire_dtype, self.resid_dtype = ctx.dtype, torch.float32  # bf16 messages on GPUs, fp32 sums
+        self.wire_dtype, self.resid_dtype = ctx.dtype, torch.float32  # bf16 messages on GPUs
         self.make_groups()
         if ctx.world > 1:
             dist.barrier()  # every NCCL communicator up before the first batch_isend_irecv
@@ -117,9 +123,10 @@ class Pipeline:
     def rank_of(self, stage):  # the global rank that runs a stage
         return stage
 
-    def make_groups(self):  # every rank creates every group, in the same order; None: the default group
+    def make_groups(self):  # every rank creates every group, in the same order; None: the default
         self.pipe_group = None  # the whole pipeline: the clip norm's sum
-        self.embed_group = dist.new_group([self.rank_of(0), self.rank_of(self.P - 1)]) if self.P > 1 else None
+        ends = [self.rank_of(0), self.rank_of(self.P - 1)]  # the two copies of wte
+        self.embed_group = dist.new_group(ends) if self.P > 1 else None
 
     def loaders(self):  # every stage reads the whole batch: the first needs x, the last y
         return gpt2.make_loaders(self.args, vocab_size=self.cfg.vocab_size)
@@ -128,8 +135,8 @@ class Pipeline:
         self.saved, self.spans = {}, []
         B = x.size(0) // self.M
         self.act_shape, self.scale = (B, x.size(1), self.cfg.n_embd), scale
-        self.xs, self.ys = (t.to(self.ctx.device, non_blocking=True).split(B) for t in (x, y))  # M x (B/M, T)
-        self.loss_sum = torch.zeros((), device=self.ctx.device)
+        self.xs, self.ys = (t.to(self.ctx.device, non_blocking=True).split(B) for t in (x, y))
+        self.loss_sum = torch.zeros((), device=self.ctx.device)  # xs, ys: M x (B/M, T)
 
     def step(self, x, y, scale):  # one micro-step's forwards and backwards -> this rank's loss sum
         return (naive_step if self.args.naive else one_f_one_b)(self, x, y, scale)
@@ -138,8 +145,8 @@ class Pipeline:
         return forwards(self, x, y, scale)
 
     def exchange(self, send_to=None, tensor=None, recv_from=None):
-        """One batch_isend_irecv, waited: `tensor` to rank send_to and an activation-shaped tensor from rank
-        recv_from (None: no such message) -> what was received. On CUDA the wait makes the stream wait."""
+        """One batch_isend_irecv, waited: `tensor` to rank send_to, an activation-shaped tensor from
+        rank recv_from (None: no such message) -> what was received. CUDA: the stream waits."""
         ops, got = [], None
         if send_to is not None:
             tensor = tensor.detach().to(self.wire_dtype).contiguous()
@@ -153,27 +160,27 @@ class Pipeline:
         return got
 
     def compute(self, kind, mb, h):
-        """F (forward) or B (backward) of one micro-batch on my stage; its span kept for the bubble."""
+        """F (forward) or B (backward) of micro-batch mb on my stage; its span kept (the bubble)."""
         start = self.clock()
         out = (self.forward if kind == "F" else self.backward)(self.stage, mb, h)
         self.spans.append(((kind, self.stage, mb), start, self.clock()))
         return out
 
-    def clock(self):  # CUDA: an event recorded on the stream, read after the step; CPU: the host clock in ms
+    def clock(self):  # CUDA: an event recorded on the stream, read after the step; CPU: ms
         if self.ctx.device.type != "cuda":
             return time.perf_counter() * 1e3
         return torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
 
     def forward(self, s, mb, h):
-        """Stage s on micro-batch mb, h its input (B/M, T, C) (None on stage 0: the tokens) -> the output,
-        or None on the last stage, which adds the micro-batch's scaled loss to loss_sum."""
+        """Stage s on micro-batch mb, h its input (B/M, T, C) (None on stage 0: the tokens) -> its
+        output, or None on the last stage, which adds the micro-batch's scaled loss to loss_sum."""
         with self.ctx.autocast():
             if s == 0:
                 h_in, h = None, self.model.embed(self.xs[mb])  # (B/M, T, C)
             else:
                 h_in = h = h.to(self.resid_dtype).requires_grad_(torch.is_grad_enabled())
             h = self.model.forward_blocks(h, *self.layers[s])  # (B/M, T, C)
-            if s == self.S - 1:  # the step's loss is the mean over micro-batches: each is scaled by 1/M
+            if s == self.S - 1:  # the step's loss: the mean over micro-batches, each scaled by 1/M
                 out = self.model.head_loss(h, self.ys[mb]) * self.scale
                 self.loss_sum += out.detach().float()
         if s < self.S - 1:  # backward needs the graph behind h, not h: once sent, h is freed
@@ -184,7 +191,7 @@ class Pipeline:
         return h if s < self.S - 1 else None
 
     def backward(self, s, mb, grad):
-        """Backpropagate micro-batch mb through stage s from its output's gradient (None on the last stage:
+        """Micro-batch mb back through stage s from its output's gradient (None on the last stage:
         from the loss) -> its input's gradient (B/M, T, C), or None on stage 0."""
         h_in, out = self.saved.pop((s, mb))
         torch.autograd.backward(out, None if grad is None else grad.to(self.resid_dtype))
@@ -195,14 +202,15 @@ class Pipeline:
         dist.all_reduce(tensor, group=group)
 
     def sync_grads(self):
-        """The tied wte/lm_head: the first stage's and the last stage's copies of its gradient summed."""
+        """The tied wte/lm_head: the first and the last stage's copies of its gradient summed."""
         if self.P > 1 and (self.first or self.last):
-            self.all_reduce((self.model.wte if self.first else self.model.lm_head).weight.grad, self.embed_group)
+            tied = self.model.wte if self.first else self.model.lm_head
+            self.all_reduce(tied.weight.grad, self.embed_group)
 
     def clip_grad_norm(self, max_norm):
-        """gpt2.clip_grad_norm_ over the whole pipeline (max_norm 0: no clip) -> the norm before clipping:
-        squares summed over the stages, the tied wte counted once, on the first stage. No host sync."""
-        head = self.model.lm_head.weight if self.P > 1 and self.last else None  # wte's copy: on rank 0
+        """gpt2.clip_grad_norm_ over the pipeline (max_norm 0: no clip) -> the norm before clipping:
+        squares summed over the stages, the tied wte counted once, on stage 0. No host sync."""
+        head = self.model.lm_head.weight if self.P > 1 and self.last else None  # wte's 2nd copy
         sq = sum((p.grad.float().pow(2).sum() for p in self.model.parameters() if p is not head),
                  torch.zeros((), device=self.ctx.device))
         if self.P > 1:
@@ -213,64 +221,68 @@ class Pipeline:
             p.grad.mul_(coef)
         return norm
 
-    def global_loss(self, loss_sum):  # the last stage holds the loss: the sum over the ranks is the step's
+    def global_loss(self, loss_sum):  # the last stage holds it: the sum over ranks is the step's
         if self.ctx.world > 1:
             self.all_reduce(loss_sum)
         return loss_sum
 
 
 def check_args(args, P):
-    """A batch its micro-batches do not divide (rows would be dropped) or blocks that do not split into P
-    stages (a block would be dropped): one line before the first collective (gpt2.fail)."""
+    """A batch its micro-batches do not divide (rows would be dropped) or blocks that do not split
+    into P stages (a block would be dropped): one line before the first collective (gpt2.fail)."""
     gpt2.check_range(args.micro_batches, "--micro-batches", 1, todo="give a positive integer")
     M, L = args.micro_batches, gpt2.model_config(args).n_layer
     if args.batch_size % M:
-        gpt2.fail(f"--batch-size {args.batch_size} is not divisible by --micro-batches {M}", "--micro-batches",
-                  "give a divisor of --batch-size")
+        gpt2.fail(f"--batch-size {args.batch_size} is not divisible by --micro-batches {M}",
+                  "--micro-batches", "give a divisor of --batch-size")
     if L % P:
-        gpt2.fail(f"{L} layers do not split into {P} stages (P={P} ranks per pipeline)", "--n-layer",
-                  f"give a multiple of {P} layers, or another number of ranks")
+        gpt2.fail(f"{L} layers do not split into {P} stages (P={P} ranks per pipeline)",
+                  "--n-layer", f"give a multiple of {P} layers, or another number of ranks")
 
 
-def measure_bubble(pipe, x, y):
-    """The batch once more through pipe.step, every op timed, its gradients dropped -> the figures: the
-    bubble (per rank the share of the step, from the ranks' common start to the last rank's end, spent
-    outside its ops; averaged), the closed form (P-1)/(M+P-1) (equal stages, free messages) and the
-    micro-batches each rank held at once."""
-    if pipe.ctx.world > 1:
-        dist.barrier()  # the ranks start together, so their clocks line up
-    pipe.peak_held, start = 0, pipe.clock()
-    pipe.step(x, y, 1.0)
-    end = pipe.clock()
+def measure_bubble(pipe, batches):
+    """The batches once more through pipe.step, every op timed, their gradients dropped -> the
+    figures: the bubble (per rank, the share of the steps, from the ranks' common start to the last
+    rank's end, spent outside its ops; averaged over the ranks), the closed form (P-1)/(M+P-1)
+    (equal stages, free messages) and the most micro-batches each rank held at once."""
+    cuda, busy, total, pipe.peak_held = pipe.ctx.device.type == "cuda", 0.0, [], 0
+    ms = (lambda a, b: a.elapsed_time(b)) if cuda else (lambda a, b: b - a)
+    for x, y in batches:
+        if pipe.ctx.world > 1:
+            dist.barrier()  # the ranks start together, so their clocks line up
+        start = pipe.clock()
+        pipe.step(x, y, 1.0)
+        total.append((start, pipe.clock()))
+        if cuda:
+            torch.cuda.synchronize()  # the events are done: read them
+        busy += sum(ms(a, b) for _, a, b in pipe.spans)
     pipe.model.zero_grad(set_to_none=True)
-    if pipe.ctx.device.type == "cuda":
-        torch.cuda.synchronize()  # the events are done: read them
-    ms = (lambda a, b: b - a) if pipe.ctx.device.type != "cuda" else (lambda a, b: a.elapsed_time(b))
-    busy = sum(ms(a, b) for _, a, b in pipe.spans)
-    mine = torch.tensor([busy, ms(start, end), pipe.peak_held], dtype=torch.float64, device=pipe.ctx.device)
-    every = [mine.clone() for _ in range(pipe.ctx.world)]  # every rank's figures
+    mine = torch.tensor([busy, *(ms(a, b) for a, b in total), pipe.peak_held], dtype=torch.float64,
+                        device=pipe.ctx.device)  # (2 + batches,)
+    every = [torch.zeros_like(mine) for _ in range(pipe.ctx.world)]
     if pipe.ctx.world > 1:
         dist.all_gather(every, mine)
-    every = torch.stack(every[:pipe.P]).tolist()  # the first pipeline's ranks
-    step_ms = max(t for _, t, _ in every)
-    return {"bubble": sum(1 - b / step_ms for b, _, _ in every) / pipe.P, "step_ms": step_ms,
-            "bubble_closed_form": (pipe.P - 1) / (pipe.M + pipe.P - 1), "held": [int(h) for _, _, h in every]}
+    every = torch.stack(every if pipe.ctx.world > 1 else [mine])[:pipe.P]  # (P, 2 + batches)
+    step_ms = every[:, 1:-1].max(0).values.sum().item()  # each step until its last rank is done
+    return {"bubble": (1 - every[:, 0] / step_ms).mean().item(), "step_ms": step_ms / len(total),
+            "bubble_closed_form": (pipe.P - 1) / (pipe.M + pipe.P - 1),
+            "held": [int(h) for h in every[:, -1].tolist()]}
 
 
 def train(args, P, Pipe=Pipeline):
-    """gpt2.train's loop: lr, micro-steps (pipe.step: 1F1B or naive_step), gradients synced, clip, step, log,
-    eval; then the payoff: one more batch timed, its bubble beside the closed form."""
+    """gpt2.train's loop: lr, micro-steps (pipe.step: 1F1B or naive_step), gradients synced, clip,
+    step, log, eval; then the payoff: 3 more batches timed, their bubble beside the closed form."""
     check_args(args, P)
     ctx = gpt2.setup(args)
     pipe = Pipe(args, ctx, P)
     train_loader, val_loader = pipe.loaders()
     opt = gpt2.make_adamw(gpt2.optimizer_groups(pipe.model, args.weight_decay), args, ctx.device)
-    tokens = args.batch_size * args.seq_len * args.grad_accum * train_loader.world  # every reader's rows
-    metrics, profiler = gpt2.Metrics(args, ctx, pipe.cfg, pipe.n_params, tokens), gpt2.Profiler(args, ctx)
-    loop = "naive" if args.naive else type(pipe).__name__
-    print0(f"{loop}: P={P} stages, M={pipe.M} micro-batches of {args.batch_size // pipe.M} "
-           f"| device {ctx.device} {ctx.dtype}")
-    scale = 1.0 / (args.micro_batches * args.grad_accum)  # the step's loss: the mean over every micro-batch
+    tokens = args.batch_size * args.seq_len * args.grad_accum * train_loader.world  # all readers
+    metrics = gpt2.Metrics(args, ctx, pipe.cfg, pipe.n_params, tokens)
+    profiler = gpt2.Profiler(args, ctx)
+    print0(f"{'naive' if args.naive else type(pipe).__name__}: P={P} stages, M={pipe.M} "
+           f"micro-batches of {args.batch_size // pipe.M} | device {ctx.device} {ctx.dtype}")
+    scale = 1.0 / (args.micro_batches * args.grad_accum)  # the step's loss: the mean of them all
     for step in range(args.steps):
         profiler.step(step)
         metrics.start_step()
@@ -285,23 +297,23 @@ def train(args, P, Pipe=Pipeline):
         gpt2.check_finite(loss_val, step)
         metrics.log_step(step, loss_val, lr, comm_mb=pipe.comm.take_mb(), grad_norm=norm_val)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            pipe.model.eval()  # gpt2.evaluate averages over every rank: scale the last stage's loss by P
+            pipe.model.eval()  # gpt2.evaluate averages over every rank: the last stage's loss x P
             val_loss = functools.partial(pipe.forward_only, scale=P / pipe.M)
             metrics.log_val(step, gpt2.evaluate(val_loss, val_loader, args.eval_steps, ctx.device))
             pipe.model.train()
     metrics.plot()
-    fig = measure_bubble(pipe, *train_loader.next_batch())
-    print0(f"bubble {fig['bubble']:.3f} of a {fig['step_ms']:.1f} ms step (measured on one batch) | closed "
+    fig = measure_bubble(pipe, [train_loader.next_batch() for _ in range(3)])
+    print0(f"bubble {fig['bubble']:.3f} of the step (measured, {fig['step_ms']:.1f} ms) | closed "
            f"form (P-1)/(M+P-1) = {fig['bubble_closed_form']:.3f}")
-    print0(f"micro-batches held at once per rank: {fig['held']} of M={pipe.M} (1F1B: P - stage; naive: M)")
+    print0(f"micro-batches held at once per rank: {fig['held']} of M={pipe.M} (1F1B: P - stage)")
     metrics.log_summary(fig)
     return pipe
 
 
 def make_parser():
-    p = gpt2.make_parser("Train GPT-2 with pipeline parallelism (1F1B; --naive: all forwards, then all "
-                         "backwards).")
-    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches M that --batch-size is split into")
+    p = gpt2.make_parser("Train GPT-2 with pipeline parallelism (1F1B; --naive: all forwards, "
+                         "then all backwards).")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches M of --batch-size")
     p.add_argument("--naive", action="store_true", help="all forwards, then all backwards")
     return p
 
@@ -312,8 +324,8 @@ def main(argv=None):
 
 
 # ---- Beyond the core ----
-# The core's loops wait for every exchange. Below: messages planned ahead (plan_messages) and run beside
-# compute, which the schedules need (each a subclass of PlannedPipeline, chosen by --schedule in the appendix):
+# The core's loops wait for every exchange. Below: messages planned ahead (plan_messages), in flight
+# while the ranks compute, as the schedules need (each a PlannedPipeline, chosen in the appendix):
 #   GPipe: all forwards, then all backwards, with planned messages (Huang et al. 2019)
 #   SplitBackward: a backward split into I (input gradient) now and W (weight gradient) later (Qi et al. 2023, 2)
 #   ZBH1: 1F1B with W's deferred into the cooldown (Qi et al. 2023, 3.1)
