@@ -7,10 +7,10 @@ the next stage, and its gradient moves back up, point to point. naive_step (--na
 then every backward; a rank holds all M micro-batches. one_f_one_b (the default, PipeDream-Flush):
 P-1-s warm-up forwards on stage s, then one forward, one backward: the same bubble, (P-1)/(M+P-1) of
 the step, but stage s holds only P - s micro-batches. Each exchange is one batch_isend_irecv,
-waited; a send is paired by hand with the receive the peer posts at the same point of its loop (on NCCL
-a send may block until its receive is posted: two ranks each sending alone first would hang). 1F1B,
-P=2, M=4, as the loop runs ([...]: one batch_isend_irecv; >a1 sends micro-batch 1's activation, <g0
-receives micro-batch 0's gradient):
+waited; a send is paired by hand with the receive the peer posts at the same point of its loop (on
+NCCL a send may block until its receive is posted: two ranks each sending alone first would hang).
+1F1B, P=2, M=4, as the loop runs ([...]: one batch_isend_irecv; >a1 sends micro-batch 1's
+activation, <g0 receives micro-batch 0's gradient):
   rank 0  F0 [>a0] F1 [>a1 <g0] B0 F2 [>a2 <g1] B1 F3 [>a3 <g2] B2 [<g3] B3
   rank 1  [<a0] F0 B0 [>g0 <a1] F1 B1 [>g1 <a2] F2 B2 [>g2 <a3] F3 B3 [>g3]
 Who sums what (stage s: blocks [s*L/P, (s+1)*L/P); stage 0 also wte, wpe; stage P-1 ln_f, lm_head):
