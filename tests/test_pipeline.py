@@ -232,6 +232,9 @@ def test_core_loops_pair_their_messages():
                 events, held = pl.core_traffic(loop, P, M)
                 problem = nccl_p2p_check(core_batches(events))
                 assert problem is None, f"{name} P={P} M={M}: {problem}"
+                want = [min(P - s, M) for s in range(P)] if name == "one_f_one_b" else [M] * P
+                assert name == "forwards" or held == want, \
+                    f"{name} P={P} M={M}: micro-batches held per stage {held}, expected {want} (1F1B: P - stage)"
                 for s, evs in enumerate(events):
                     ops = [ev for ev in evs if ev[0] == "op"]
                     for _, kind, mb, got in ops:  # F needs the activation from above, B the gradient from below
@@ -241,8 +244,6 @@ def test_core_loops_pair_their_messages():
                     expect = {"one_f_one_b": pl.one_f_one_b_ops(P, M, s), "naive_step": pl.gpipe(P, M, s),
                               "forwards": pl.gpipe(P, M, s)[:M]}[name]
                     assert order == expect, f"{name} P={P} M={M} stage {s}: ops {order}"
-                want = [min(P - s, M) for s in range(P)] if name == "one_f_one_b" else [M] * P
-                assert name == "forwards" or held == want, f"{name} P={P} M={M}: held {held}, expected {want}"
                 checked += 1
     assert checked == 3 * sum(3 * P for P in (2, 3, 4, 8))
     # negative controls: a lone send facing a lone send (a cycle under NCCL), a receive nobody answers
