@@ -393,7 +393,7 @@ def grads_by_name(model):
 
 
 def my_stages(pipe):
-    return getattr(pipe, "my_stages", (pipe.pp_rank,))
+    return getattr(pipe, "my_stages", (pipe.stage,))
 
 
 def torch_pipelining_grads(name, pipe, args, x, y):
