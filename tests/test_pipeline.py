@@ -466,6 +466,11 @@ def _two_rank_worker(rank, world, data, out):
             result[name]["torch"] = (t_loss, loss, tensor_diffs(grads_by_name(pipe.model), t_grads))
         dist.barrier()
         pl.cli(flags + base + ["--out", os.path.join(out, name)])  # the 8-step run, compared with gpt2.py train
+    argv = ["--schedule", "interleaved", "--virtual-stages", "1"] + base + ["--out", os.path.join(out, "v1")]
+    args = pl.make_cli_parser().parse_args(argv)  # --virtual-stages acts: V=1 is not the default's order
+    pipe = pl.pipeline_class("interleaved")(args, gpt2.setup(args), pl.check_cli_args(args, world))
+    order = pl.op_lists("interleaved", 2, 4, 1)[rank]
+    result["interleaved_v1"] = one_step_vs_unsplit(pipe, pipe.step, args, x, y, order)
     for name in ("naive", "1f1b"):  # --grad-accum 2: the batch in two halves, the losses scaled by 1/(M x 2)
         flags = ["--naive"] if name == "naive" else []
         pl.cli(flags + base + ["--grad-accum", "2", "--batch-size", "4", "--micro-batches", "2", "--eval-every", "0",
@@ -520,7 +525,7 @@ def check_curve(key, curve, base, steps, tol=CURVE_TOL):
 
 def test_two_ranks_every_schedule(shakespeare, tmp_path, baselines):
     results = run_distributed(_two_rank_worker, 2, shakespeare, str(tmp_path), timeout=400)
-    for name in ("naive",) + pl.SCHEDULE_NAMES:  # per tensor, one step, before any curve
+    for name in ("naive",) + pl.SCHEDULE_NAMES + ("interleaved_v1",):  # per tensor, one step, before any curve
         for rank, res in enumerate(results):
             r, what = res[name], f"{name} rank {rank} vs the unsplit model"
             assert r["order"], f"{name} rank {rank}: the ops did not run in the op list's order (is the flag applied?)"
