@@ -53,15 +53,18 @@ EXERCISES = {
                                               "softmax for backward"),
     ],
     "pipeline.py": [
-        ("naive_step", "all M forwards (stage > 0: dist.recv the activation from the rank above; pipe.compute("
-                       "Op('F', s, mb), h); not the last stage: dist.send the output down), then all M backwards the "
-                       "same way up (the output's gradient from below, the input's gradient sent up); pipe.start "
-                       "first, return pipe.loss_sum"),
-        ("one_f_one_b", "1F1B's op list for one rank: P-1-rank warm-up forwards, then one forward one backward, "
-                        "then the remaining backwards"),
-        ("Pipeline.run", "one step: self.start(x, y, scale), issue the receives planned before the first op, then "
-                         "for each op: wait for its planned receive (self.inbox[message_in(op, S)]), compute, send "
-                         "(with the batch planned after it); wait for the sends; return self.loss_sum"),
+        ("naive_step", "forwards(pipe, x, y, scale) (every forward: the activation in, compute, the output "
+                       "out), then all M backwards the same way up: pipe.exchange(recv_from=pipe.down) the "
+                       "output's gradient, pipe.compute('B', mb, grad), pipe.exchange(pipe.up, the input's "
+                       "gradient); return pipe.loss_sum"),
+        ("one_f_one_b", "P-1-stage warm-up forwards, then per steady step one forward whose send down "
+                        "rides with the receive of a gradient from below and one backward whose send up "
+                        "rides with the receive of the next activation (if one is still to come), then "
+                        "the remaining backwards; pipe.start first, return pipe.loss_sum"),
+        ("Pipeline.exchange", "one dist.batch_isend_irecv of the send (the tensor detached, in "
+                              "self.wire_dtype, contiguous, its bytes counted by self.comm.send) and the "
+                              "receive (an empty self.act_shape buffer), each only if its rank is not "
+                              "None; wait for every work; return the received buffer or None"),
     ],
     "moe_ep.py": [
         ("AllToAll.backward", "the gradient of a received row goes back to its sender: the same exchange with the "
@@ -276,27 +279,37 @@ BUGS = {
         ("loss not scaled by 1/M", "out = self.model.head_loss(h, self.ys[mb]) * self.scale",
          "out = self.model.head_loss(h, self.ys[mb])", "the logged loss is M times gpt2.py's from step 0, every "
          "gradient M times too large", "two_ranks_every_schedule", "loss, naive rank"),
-        ("tied wte/lm_head gradients not summed", "        if self.P > 1 and (self.first or self.last):\n"
-         "            self.all_reduce(", "        if False:\n            self.all_reduce(",
-         "the curve drifts from gpt2.py after step 0; the first and last stage's wte differ", "two_ranks_every_schedule",
-         "norm of wte.weight"),
+        ("tied wte/lm_head gradients not summed", "        if self.P > 1 and (self.first or self.last):\n",
+         "        if False:\n", "the curve drifts from gpt2.py after step 0; the first and last stage's wte "
+         "differ", "two_ranks_every_schedule", "norm of wte.weight"),
         ("--dp gradients summed, not averaged", "            self.all_reduce(p.grad, self.dp_group)\n"
          "            p.grad /= self.D\n", "            self.all_reduce(p.grad, self.dp_group)\n",
          "--dp 2 runs drift from gpt2.py only slowly (AdamW hides a constant scale)", "four_ranks", "--dp 2 rank"),
-        ("clip norm not summed over the stages", "        if self.P > 1:\n            self.all_reduce(sq, self.pp_group)"
+        ("clip norm not summed over the stages", "        if self.P > 1:\n            self.all_reduce(sq, self.pipe_group)"
          "  # the sum of squares over the stages\n", "", "each stage clips by its own norm: too little, from the "
          "first clipped step", "two_ranks_every_schedule", "gradient clipped to half its norm"),
-        ("clip coefficient clamped the wrong way", "max=1.0)  # a tensor: no host sync",
-         "min=1.0)  # a tensor: no host sync", "gradients are never clipped: the coefficient never goes below 1",
-         "two_ranks_every_schedule", "gradient clipped to half its norm"),
+        ("clip coefficient clamped the wrong way", "max=1.0)  # a tensor: no host sync", "min=1.0)  # a tensor: no host sync",
+         "gradients are never clipped: the coefficient never goes below 1", "two_ranks_every_schedule",
+         "gradient clipped to half its norm"),
         ("--grad-accum not in the loss scale", "scale = 1.0 / (args.micro_batches * args.grad_accum)",
          "scale = 1.0 / args.micro_batches", "at --grad-accum 2 the logged loss is twice gpt2.py's",
          "two_ranks_every_schedule", "--grad-accum 2"),
-        ("1F1B with one warm-up forward too many", "warmup = min(P - 1 - rank, M)  # forwards",
-         "warmup = min(P - rank, M)  # forwards", "the same losses, but every rank holds one micro-batch more "
-         "than P - rank", "schedule_definitions", "one_f_one_b(2, 4, 0)"),
+        ("1F1B with one warm-up forward too many", "warmup = min(P - 1 - s, M)  # forwards",
+         "warmup = min(P - s, M)  # forwards", "the same losses, but every rank holds one micro-batch more than "
+         "P - stage", "core_loops_pair_their_messages", "held per stage [2, 2], expected [2, 1]"),
+        ("the last steady backward waits for an activation that never comes",
+         "recv_from=pipe.up if more else None)", "recv_from=pipe.up)",
+         "the first step hangs at its end on every rank but the first (a receive no rank sends)",
+         "core_loops_pair_their_messages", "unmatched"),
+        ("--naive read but not applied", "return (naive_step if self.args.naive else one_f_one_b)(self, x, y, scale)",
+         "return one_f_one_b(self, x, y, scale)", "the same losses (both loops compute the same gradients), "
+         "but --naive holds P - stage micro-batches, not M: the lesson it teaches is gone",
+         "two_ranks_every_schedule", "naive rank 0: the ops did not run in the op list's order"),
+        ("the core's checks skipped", "    check_args(args, P)\n    ctx = gpt2.setup(args)\n",
+         "    ctx = gpt2.setup(args)\n", "the whole file still refuses; the --core handout trains on 6 of 8 rows "
+         "at --micro-batches 3 and drops the last block when the ranks do not divide --n-layer",
+         "core_refuses", "gpt2.setup reached"),
     ],
-
     "moe_ep.py": [
         ("capacity rounds down", "math.ceil(self.cf * n_tokens * self.k / self.E)",
          "int(self.cf * n_tokens * self.k / self.E)",
