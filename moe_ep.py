@@ -320,9 +320,12 @@ class MoE(NaiveMoE):
 def make_groups(rank, world, ep):
     """EP groups are blocks of ep consecutive ranks; expert e's replicas are the ranks with the
     same rank % ep. Every rank must create every group, in the same order. None: one rank."""
-    ep_groups = [dist.new_group(list(range(g * ep, (g + 1) * ep))) for g in range(world // ep)]
-    dp_groups = [dist.new_group(list(range(j, world, ep))) for j in range(ep)]
-    return ep_groups[rank // ep] if ep > 1 else None, dp_groups[rank % ep] if world > ep else None
+    ep_group = dp_group = None
+    if ep > 1:
+        ep_group = [dist.new_group(list(range(g * ep, (g + 1) * ep))) for g in range(world // ep)][rank // ep]
+    if world > ep:
+        dp_group = [dist.new_group(list(range(j, world, ep))) for j in range(ep)][rank % ep]
+    return ep_group, dp_group
 
 
 def all_reduce_grads(params, group, n, world):
