@@ -190,6 +190,22 @@ def test_sample_refuses_what_it_cannot_read_and_a_diverging_run_saves_nothing(bi
     assert not os.path.exists(out / "model.pt") and not os.path.exists(out / "model.pt.tmp")
 
 
+def test_routed_comparison_tells_a_tie_from_a_bug():
+    """compare_routed_runs on made-up logs (8 tokens, top-2 of 4 experts: 4 assignments per expert at
+    balance): a near-tie at step 2 (one assignment moved, a loss 1e-4 away) passes; the same losses before
+    it must agree to 1e-5; a routing bug (many assignments moved) fails as not a near-tie."""
+    def log(loads, losses):
+        return [{"step": s, "loss": v, "aux_loss": 0.01, "expert_load": [l]} for s, (l, v) in enumerate(zip(loads, losses))]
+    even, tie, bug = [1.0, 1.0, 1.0, 1.0], [1.25, 0.75, 1.0, 1.0], [2.0, 0.0, 1.0, 1.0]
+    ref = log([even] * 4, [4.0, 3.9, 3.8, 3.7])
+    assert compare_routed_runs("tie", log([even, even, tie, even], [4.0, 3.9, 3.8004, 3.7004]), ref, 8, 2) == 2
+    assert compare_routed_runs("same", log([even] * 4, [4.0, 3.9, 3.8, 3.7]), ref, 8, 2) is None
+    with pytest.raises(AssertionError, match="relative difference"):  # before the tie: the same computation
+        compare_routed_runs("drift", log([even, even, tie, even], [4.0, 3.9004, 3.8, 3.7]), ref, 8, 2)
+    with pytest.raises(AssertionError, match="expert loads differ .* not a near-tie"):
+        compare_routed_runs("bug", log([even, bug, bug, bug], [4.0, 3.9, 3.8, 3.7]), ref, 8, 2)
+
+
 def test_capacity_drops_exactly_the_overflow():
     g = torch.Generator().manual_seed(0)
     N, k, E, cap = 10, 2, 4, 3
