@@ -112,7 +112,7 @@ class NaiveMoE(nn.Module):
         E, ep = args.experts, args.ep  # this rank's experts: [ep_rank * E/ep, (ep_rank+1) * E/ep)
         self.E, self.k, self.cf, self.layer = E, args.top_k, args.capacity_factor, layer
         self.group, self.first, self.stats = group, ep_rank * (E // ep), None
-        base = args.seed * 1_000_003 + 1009 * (layer + 1)  # init: gpt2's, N(0, 0.02), ...
+        base = args.seed * 1_000_003 + 1009 * (layer + 1)  # gpt2's init, residual ones / sqrt(2L)
         self.router = seeded(base, lambda: nn.Linear(cfg.n_embd, E, bias=False).apply(init))
         self.experts = nn.ModuleList(seeded(base + 1 + e, lambda: gpt2.MLP(cfg).apply(init))
                                      for e in range(self.first, self.first + E // ep))

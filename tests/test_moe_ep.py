@@ -235,6 +235,9 @@ def test_capacity_drops_exactly_the_overflow():
     _, plan = moe_ep.dispatch_tokens(h.view(16, 16), ids.t().reshape(-1), 4, cap, None)
     all_dropped = [t for t in range(16) if t not in set((plan.order % 16).tolist())]
     assert all_dropped and all(out[0, t].abs().max() == 0 for t in all_dropped)
+    # --naive drops the same assignments (per source rank, by the same priority) and gives the same output
+    naive = moe_ep.NaiveMoE(CFG, layer_args(capacity_factor=0.5), 0, gpt2.GPT(CFG).init_weights).train()
+    assert (naive(h) - out).abs().max() < 1e-6 and torch.equal(naive.stats["kept"], layer.stats["kept"])
 
 
 def test_gates_and_z_loss_defaults():
