@@ -67,6 +67,9 @@ EXERCISES = {
                               "None; wait for every work; return the received buffer or None"),
     ],
     "moe_ep.py": [
+        ("NaiveMoE.forward", "route, mark the choices beyond capacity -1 (keep_within_capacity), all-gather the EP "
+                             "group's tokens and choices (AllGather), run each local expert on all of them (0 where "
+                             "a token did not choose it), reduce-scatter (ReduceScatter), weight by the gates"),
         ("AllToAll.backward", "the gradient of a received row goes back to its sender: the same exchange with the "
                               "splits swapped"),
         ("plan_dispatch", "sort the assignments by expert (keep_within_capacity), exchange the per-expert counts "
@@ -335,6 +338,9 @@ BUGS = {
          "        expert_sq = expert_sq * 1  # this rank's experts only\n",
          "EP runs clip a little less than one rank once the gradient norm exceeds --grad-clip",
          "one_sgd_step", "clip_global_grad_norm"),
+        ("--naive takes its local expert ids for global ones", "(picks == self.first + e)", "(picks == e)",
+         "--naive on several ranks: every rank runs its experts on the tokens of experts 0..E/ep-1",
+         "expert_parallel_equals_one_process", "naive4 fp32 vs reference"),
         ("expert counts not summed over the ranks", "                dist.all_reduce(c)\n", "                c = c * 1\n",
          "each rank balances its own batch: the aux loss, drop rate and expert-load picture differ from one rank's",
          "expert_parallel_equals_one_process", "expert loads differ"),
