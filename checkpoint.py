@@ -175,7 +175,7 @@ def refuse_another_run(man, d, args, zero, world):  # a resume continues the run
     diff = mismatched_flags(man, args, zero, world)
     if diff:
         gpt2.fail(f"{d} was written with {' '.join(a for _, a, _ in diff)}, this run has "
-                  f"{' '.join(b for _, _, b in diff)}", " ".join(f for f, _, _ in diff),
+                  f"{' '.join(b for _, _, b in diff)}", " ".join(dict.fromkeys(f for f, _, _ in diff)),
                   "resume with the checkpoint's values (another world size with the same global "
                   "batch is fine), or give another --ckpt-dir")
 
@@ -467,11 +467,14 @@ def make_parser():
     return p
 
 
-def check_ckpt_flags(args):  # flags that act only with a directory to save into
+def check_ckpt_flags(args):  # flags that act only with a directory to save into, or saves
     for flag, given in (("--save-every", args.save_every), ("--fail-at", args.fail_at != -1)):
         if given and not args.ckpt_dir:
             gpt2.fail(f"{flag} without a directory to save into", "--ckpt-dir",
                       "add --ckpt-dir DIR")
+    if args.naive and not args.save_every:
+        gpt2.fail("--naive without --save-every: nothing would be saved", "--naive",
+                  "add --save-every N, or drop --naive")
 
 
 def main(argv=None):  # the core alone; the file's entry point is cli() (its checks, its extensions)
@@ -842,6 +845,9 @@ def check_args(args):
     for flag, given in (("--keep", args.keep is not None), ("--allow-fresh-start", args.allow_fresh_start)):
         if given and not args.safe:
             gpt2.fail(f"{flag} belongs to the --safe checkpointer", flag, f"add --safe, or drop {flag}")
+    if args.pinned and not args.save_every:
+        gpt2.fail("--pinned without --save-every: nothing would be saved", "--pinned",
+                  "add --save-every N, or drop --pinned")
     if args.naive and (args.safe or args.pinned):
         gpt2.fail(f"--naive saves on the training thread; {'--safe' if args.safe else '--pinned'} saves in the "
                   "background", "--naive", "choose one")

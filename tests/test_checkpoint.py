@@ -486,9 +486,16 @@ def test_every_checkpoint_flag_acts(shakespeare, tmp_path, monkeypatch, capsys):
     picked, real_train = [], checkpoint.train
     monkeypatch.setattr(checkpoint, "train", lambda args, Checkpointer: picked.append(Checkpointer.__name__))
     for n, extra in enumerate(([], ["--naive"], ["--pinned"], ["--safe"])):
-        checkpoint.cli(flags(shakespeare, str(tmp_path / f"pick{n}"), 8, "--ckpt-dir", str(tmp_path / f"ck{n}"), *extra))
+        checkpoint.cli(flags(shakespeare, str(tmp_path / f"pick{n}"), 8, "--ckpt-dir", str(tmp_path / f"ck{n}"),
+                             "--save-every", "1", *extra))
     for extra in ([], ["--naive"]):
-        checkpoint.main(flags(shakespeare, str(tmp_path / "core"), 8, "--ckpt-dir", str(tmp_path / "ckc"), *extra))
+        checkpoint.main(flags(shakespeare, str(tmp_path / "core"), 8, "--ckpt-dir", str(tmp_path / "ckc"),
+                              "--save-every", "1", *extra))
+    for flag in ("--naive", "--pinned"):  # nothing to save: the flag could not act, so it is refused
+        code, _, err = cli(flags(shakespeare, str(tmp_path / "none"), 8, "--ckpt-dir", str(tmp_path / "ckn"), flag),
+                           capsys)
+        assert (code, err) == (2, f"error: {flag} without --save-every: nothing would be saved ({flag}): add "
+                                  f"--save-every N, or drop {flag}\n"), err
     assert picked == ["AsyncCheckpointer", "SyncCheckpointer", "PinnedSnapshots", "SafeCheckpointer",
                       "AsyncCheckpointer", "SyncCheckpointer"], picked
     monkeypatch.setattr(checkpoint, "train", real_train)
