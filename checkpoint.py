@@ -26,13 +26,16 @@ Below the banners: --pinned snapshots; --safe (read retries, corrupt commits ren
 read first: Zero1.reduce_scatter_grads, write_durably, SyncCheckpointer.save,
 AsyncCheckpointer.save, SyncCheckpointer.load_latest, SyncCheckpointer.read_slices.
 
-  python checkpoint.py --data data/shakespeare_char --steps 30 --save-every 10 --fail-at 25 \\
-      --ckpt-dir out/ckpt/shards --out out/ckpt     # dies after step 24: step 20 is committed
-  python checkpoint.py --data data/shakespeare_char --steps 30 --save-every 10 \\
-      --ckpt-dir out/ckpt/shards --out out/ckpt     # the same run, resumed
-print `[rank 0] --fail-at 25: exiting abruptly`, then `resumed from step 20`, steps 20-29, and:
-  checkpoint: 1 save of 0.6 MB a rank; write + commit 9.1 ms per save, in a background thread
-  checkpoint: the step was blocked 0.4 ms per save, for the snapshot (--naive blocks for both: ...)
+  torchrun --nproc_per_node=2 checkpoint.py --data data/shakespeare_char --steps 20 --batch-size 4 \\
+      --seq-len 128 --save-every 5 --fail-at 13 --ckpt-dir out/ckpt/shards --out out/ckpt
+  python checkpoint.py --data data/shakespeare_char --steps 20 --batch-size 8 --seq-len 128 \\
+      --save-every 5 --ckpt-dir out/ckpt/shards --out out/ckpt      # 1 rank, the same global batch
+print `[rank 1] --fail-at 13: exiting abruptly` (rank 0: one line saying how to continue), then
+  resharding: written by 2 ranks, loaded by 1
+  resumed from step 10
+  ...steps 10-19 (10-12 as the first run printed them)
+  checkpoint: 2 saves of 10.12 MB a rank; write + commit 892.5 ms per save, in a background thread
+  checkpoint: the step was blocked 87.7 ms per save, by the snapshot (--naive: 980.2 ms, by both)
 """
 import glob
 import io
@@ -174,8 +177,9 @@ def mismatched_flags(man, args, zero, world):
 def refuse_another_run(man, d, args, zero, world):  # a resume continues the run that wrote d
     diff = mismatched_flags(man, args, zero, world)
     if diff:
+        flags = " ".join(dict.fromkeys(f for f, _, _ in diff))  # each flag once
         gpt2.fail(f"{d} was written with {' '.join(a for _, a, _ in diff)}, this run has "
-                  f"{' '.join(b for _, _, b in diff)}", " ".join(dict.fromkeys(f for f, _, _ in diff)),
+                  f"{' '.join(b for _, _, b in diff)}", flags,
                   "resume with the checkpoint's values (another world size with the same global "
                   "batch is fine), or give another --ckpt-dir")
 
@@ -387,8 +391,8 @@ def closing_lines(ckpt, metrics):  # the payoff: how long a save held the traini
     print0(f"checkpoint: {n} save{'s' * (n > 1)} of {ckpt.shard_mb:.2f} MB a rank; write + commit "
            f"{write:.1f} ms per save, {'in a background' if thread else 'on the training'} thread")
     print0(f"checkpoint: the step was blocked {blocked:.1f} ms per save, " + (
-        f"for the snapshot (--naive blocks for both: {blocked + write:.1f} ms)" if thread else
-        "for all of it (without --naive: the snapshot only)"))
+        f"by the snapshot (--naive: {blocked + write:.1f} ms, by both)" if thread else
+        "by all of it (without --naive: the snapshot)"))
     metrics.log_summary({"saves": n, "shard_mb": ckpt.shard_mb, "write_ms": write,
                          "blocked_ms": blocked, "background": thread})
 
@@ -841,6 +845,7 @@ def parse_args(argv=None):
 def check_args(args):
     gpt2.check_args(args)
     gpt2.check_range(args.save_every, "--save-every", 0, todo="give 0 (never) or a number of steps")
+    gpt2.check_range(args.fail_at, "--fail-at", -1, todo="give -1 (never) or a step")
     check_ckpt_flags(args)
     for flag, given in (("--keep", args.keep is not None), ("--allow-fresh-start", args.allow_fresh_start)):
         if given and not args.safe:
@@ -853,7 +858,6 @@ def check_args(args):
                   "background", "--naive", "choose one")
     args.keep = 2 if args.keep is None else args.keep
     gpt2.check_range(args.keep, "--keep", 1, todo="keep at least the newest checkpoint")
-    gpt2.check_range(args.fail_at, "--fail-at", -1, todo="give -1 (never) or a step")
     check_world_size(args)
     old = [n for n in ("metrics.jsonl", "model.pt") if os.path.exists(os.path.join(args.out, n))]
     if old and not committed_steps(args.ckpt_dir):  # gpt2.setup(resumes=True) leaves this check to us

@@ -443,7 +443,7 @@ def test_torchrun_max_restarts_after_a_worker_dies_at_a_save(straight, shakespea
     assert "[rank 1] --fail-at 12: exiting abruptly" in log, log[-3000:]
     assert "resumed from step 12" in log, "the dying rank must wait for its save in flight to be committed " \
         f"(AsyncCheckpointer.wait before os._exit): {[ln for ln in log.splitlines() if 'resumed' in ln]}"
-    assert "Traceback" not in log.split("torch.distributed.elastic")[0] and "Exception in thread" not in log, log[-3000:]
+    assert "Exception in thread" not in log, log[-3000:]  # the writer thread's failure, if any, is one line
     losses = train_losses(out_dir)
     assert losses == train_losses(f"{straight}/straight")  # all 20 steps, bit-exact, final loss included
 
