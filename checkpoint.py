@@ -27,7 +27,8 @@ read first: Zero1.reduce_scatter_grads, write_durably, SyncCheckpointer.save,
 AsyncCheckpointer.save, SyncCheckpointer.load_latest, SyncCheckpointer.read_slices.
 
   torchrun --nproc_per_node=2 checkpoint.py --data data/shakespeare_char --steps 20 \\
-      --batch-size 4 --seq-len 128 --save-every 5 --fail-at 13 --ckpt-dir out/ckpt/shards --out out/ckpt
+      --batch-size 4 --seq-len 128 --save-every 5 --fail-at 13 \\
+      --ckpt-dir out/ckpt/shards --out out/ckpt
   python checkpoint.py --data data/shakespeare_char --steps 20 --batch-size 8 --seq-len 128 \\
       --save-every 5 --ckpt-dir out/ckpt/shards --out out/ckpt      # 1 rank, the same global batch
 print `[rank 1] --fail-at 13: exiting abruptly` (rank 0: one line saying how to continue), then
