@@ -394,10 +394,10 @@ BUGS = {
 
     "checkpoint.py": [
         ("the rename before the fsync",
-         "        os.fsync(f.fileno())  # the bytes on disk before the name: a crash never leaves `path` half-written\n"
+         "        os.fsync(f.fileno())  # the bytes on disk before the name: `path` is never half-written\n"
          "    os.replace(path + \".tmp\", path)  # atomic: path is the old file or the new one, never a mix\n",
          "        os.replace(path + \".tmp\", path)  # atomic: path is the old file or the new one, never a mix\n"
-         "        os.fsync(f.fileno())  # the bytes on disk before the name: a crash never leaves `path` half-written\n",
+         "        os.fsync(f.fileno())  # the bytes on disk before the name: `path` is never half-written\n",
          "training and resuming look fine; after a power loss a committed name can point at empty or torn bytes",
          "fsynced_then_renamed", "were not fsynced before the rename"),
         ("no fsync of the directory after the rename",
@@ -405,18 +405,18 @@ BUGS = {
          "training and resuming look fine; after a power loss the rename (the commit itself) can be undone",
          "fsynced_then_renamed", "was not fsynced after the rename"),
         ("rank 0 commits before the other shards are durable",
-         "        with self.timeline.compute(\"gather\", \"all_gather\"):  # every rank's (bytes, crc32) to every rank\n"
+         "        with self.io.compute(\"gather\", \"all_gather\"):  # every rank's (bytes, crc32) to every rank\n"
          "            reports = report.repeat(self.ctx.world, 1)\n"
          "            if self.group is not None:  # returns once every shard is durable\n"
          "                all_gather_single(reports.view(-1), report, group=self.group)\n"
          "        if self.ctx.master:\n"
-         "            with self.timeline.compute(f\"commit {step}\", \"io\"):\n"
+         "            with self.io.compute(f\"commit {step}\", \"io\"):\n"
          "                self.commit(step, d, reports, meta[\"loader\"])\n",
          "        reports = report.repeat(self.ctx.world, 1)\n"
          "        if self.ctx.master:\n"
-         "            with self.timeline.compute(f\"commit {step}\", \"io\"):\n"
+         "            with self.io.compute(f\"commit {step}\", \"io\"):\n"
          "                self.commit(step, d, reports, meta[\"loader\"])\n"
-         "        with self.timeline.compute(\"gather\", \"all_gather\"):  # every rank's (bytes, crc32) to every rank\n"
+         "        with self.io.compute(\"gather\", \"all_gather\"):  # every rank's (bytes, crc32) to every rank\n"
          "            if self.group is not None:  # returns once every shard is durable\n"
          "                all_gather_single(reports.view(-1), report, group=self.group)\n",
          "resumes work; a crash between the commit and a slow rank's write leaves a committed checkpoint with a "
@@ -446,6 +446,18 @@ BUGS = {
          "tensors[k][a - sh[\"lo\"]: b - sh[\"lo\"]]", "tensors[k][a - z.lo: b - z.lo]",
          "a resume on as many ranks as wrote it works; on another world size it crashes or loads the wrong weights",
          "every_piece", "read_slices"),
+        ("a shard's CRC-32 not checked before it is loaded",
+         "        check_bytes(path, data, shard)\n", "",
+         "a flipped byte in the newest checkpoint is resumed silently; the next loss can be in the millions",
+         "falls_back_to_the_newest_commit_that_verifies", "the core must verify every shard"),
+        ("a resume does not compare the flags with the checkpoint's",
+         "            refuse_another_run(man, d, self.args, self.zero, self.ctx.world)  # before any loading\n", "",
+         "a resume with another --lr or --seq-len goes on silently; another --n-embd crashes in read_slices",
+         "other_flags", "expected the one-line refusal naming"),
+        ("--fail-at exits before its save in flight is committed",
+         "            self.wait()  # its save in flight committed first: a resume finds the commit it expects\n", "",
+         "the crash lesson resumes from an older commit than the one it saved last (or from none)",
+         "max_restarts", "must wait for its save in flight"),
     ],
 }
 
