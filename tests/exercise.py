@@ -535,7 +535,11 @@ def main(argv=None):
                     print(f"{name} bug {n} ({bug_name}): {'caught' if caught else 'MISSED'}"
                           f"{'' if named or not caught else ', NOT NAMED'} | {line}", flush=True)
         sys.exit(1 if failed else 0)
-    if a.bug == "list" or (a.bug is None and (a.list or not a.file) and not a.core):
+    if not a.file and not a.list and a.bug != "list":  # --out, --core or --bug N act on one file
+        print("error: which file (FILE): give a technique file, e.g. `python tests/exercise.py ddp.py --out mine`; "
+              "--list shows every file's exercises", file=sys.stderr)
+        sys.exit(2)
+    if a.bug == "list" or (a.bug is None and a.list):
         if a.bug == "list":
             for f in [a.file] if a.file else BUGS:
                 for n, (bug_name, _, _, symptom, test, _) in enumerate(BUGS[f], 1):
@@ -546,8 +550,6 @@ def main(argv=None):
             for n, (dotted, what) in enumerate(items, 1):
                 print(f"  exercise {n}: {dotted}: {what}")
         return
-    if not a.file:
-        sys.exit("error: which file (FILE): give a technique file, e.g. ddp.py")
     if not a.out:
         sys.exit("error: where to write your copy (--out): give a directory, e.g. --out mine")
     if os.path.exists(a.out) and not os.path.isdir(a.out):
