@@ -489,7 +489,7 @@ def count_file(name, grad_accum=2):
         me = [os.path.abspath(__file__), "--worker", name, "--result", result, "--"] + argv
         cmd = [sys.executable] + me if nproc == 1 else \
             [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"] + me
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "HOST_SYNCS_WHERE": "1"}  # lines: cheap
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         if proc.returncode:
             raise RuntimeError(f"{name} failed under the counter:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
@@ -540,8 +540,6 @@ def main(argv=None):
         a = p.parse_args(argv[:cut])
         return worker(a.worker, argv[cut + 1:], a.result)
     a = p.parse_args(argv)
-    if a.where:
-        os.environ["HOST_SYNCS_WHERE"] = "1"
     bad = [f for f in a.files if f not in RUNS]
     if bad:
         sys.exit(f"error: {bad[0]} is not one of the project's files (FILE): give one of {', '.join(RUNS)}")
@@ -556,7 +554,7 @@ def main(argv=None):
         ops = ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items(), key=lambda kv: -kv[1]))
         over = "  OVER BUDGET" if r["syncs_per_step"] > r["budget"] else ""
         print(f"{r['file']:20s} {r['syncs_per_step']:4d} (budget {r['budget']}){over}  {ops}")
-        for at, n in sorted(r["where"].items(), key=lambda kv: -kv[1]):
+        for at, n in sorted(r["where"].items(), key=lambda kv: -kv[1]) if a.where else ():
             print(f"{'':25s}{n:4d}  {at}")
     return rows
 

@@ -156,5 +156,5 @@ def test_host_syncs_per_step_within_budget(name, counts):
     assert row["budget"] <= row["ceiling"], f"{name}: budget {row['budget']} above issue 29's {row['ceiling']}"
     assert row["syncs_per_step"] <= row["budget"], \
         f"{name}: {row['syncs_per_step']} host syncs per step at --grad-accum 2 > its budget {row['budget']} " \
-        f"({where}; {row['where'] or 'HOST_SYNCS_WHERE=1 names each line'}): a new host sync in the step? " \
+        f"({where}; at {row['where']}): a new host sync in the step? " \
         f"python tests/host_syncs.py {name} --where lists each at its line"
