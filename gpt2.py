@@ -1,39 +1,41 @@
 """
-gpt2.py - GPT-2 (124M and friends) in one file: the model, the data loader and the training recipe that
-every technique file of this project must reproduce, then (in the appendix) the shared toolkit.
+gpt2.py - GPT-2 (124M and friends) in one file: the model, the data loader and the training recipe
+that every technique file of this project must reproduce, then (in the appendix) the shared toolkit.
 
 The idea: one exact, readable GPT-2, weight-compatible with OpenAI's, trained the way llm.c and
-modded-nanogpt train it. Every distributed technique (ddp.py, fsdp2.py, tensor_parallel.py, ...) reuses
-this model and this loader, so with the same seed and the same global batch each must reproduce this
-file's loss curve step by step: that equality is how we know they are right.
+modded-nanogpt train it. Every distributed technique (ddp.py, fsdp2.py, tensor_parallel.py, ...)
+reuses this model and this loader, so with the same seed and the same global batch each must
+reproduce this file's loss curve step by step: that equality is how we know they are right.
 
-    tokens (B,T) --wte+wpe--> x --[Block]*L--> ln_f --lm_head (tied to wte)--> logits (B,T,50257)
+    tokens (B,T) --wte+wpe--> x --[Block]*L--> ln_f --lm_head (tied to wte)--> logits (B,T,V)
     Block:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))           (pre-LayerNorm, GELU-tanh)
 
-    data:  DIR/*train*.bin, DIR/*val*.bin   (256 x int32 header: 20240520, 1, n_tokens; then uint16)
+    data:  DIR/*train*.bin, DIR/*val*.bin  (256 x int32 header: 20240520, 1, n_tokens; then uint16)
+           DIR/vocab.json for character-level data (the course: V = 65), else GPT-2's BPE (50257)
     step:  one contiguous global batch of world*B*T+1 tokens; rank r takes rows [r*B, (r+1)*B)
            -> the union over ranks is exactly the single-process batch, for any world size
 
 Closed forms (GPT-2 124M: 124,475,904 parameters, the 50,304 x 768 tied embedding 38.6M of them):
-    memory, one process:  fp32 weights 4P + grads 4P + AdamW moments 8P = 16 B x P = 1.99 GB + activations
-    FLOPs per token:      6N + 12*L*H*Q*T, N = 123.7M (all but wpe) -> 0.85 GFLOP at T=1024 (PaLM app. B)
+    memory, one process:  fp32 weights 4P + grads 4P + AdamW moments 8P = 16 B x P = 1.99 GB
+    FLOPs per token:      6N + 12*L*H*Q*T, N = 123.7M (all but wpe) -> 0.85 GFLOP at T=1024 (PaLM B)
 
-Reading order: the model (GPTConfig, GPT with embed / forward_blocks / head_loss, build_model), the data
-(shard format, DataLoader, make_loaders), the recipe (AdamW groups, lr_at, accumulate_grads, evaluate,
-train: the reference loop). The appendix holds what a technique file borrows and what a user runs after:
-HF weights in and out, corpus preparation, one-line errors and argument checks, locks, setup of the
-process group, byte meters, metrics, profiler, sampling, HellaSwag, export.
+Read first: nothing; this file is the reference. Reading order: the model (GPTConfig, GPT with
+embed / forward_blocks / head_loss, build_model), the data (shard format, DataLoader,
+make_loaders), the recipe (AdamW groups, lr_at, accumulate_grads, evaluate, train: the loop).
+Below `# ---- Appendix ----`: what a technique file borrows and what a user runs after: HF weights
+in and out, corpus preparation, one-line errors and checks, locks, setup of the process group,
+byte meters, metrics, timeline, profiler, sampling, HellaSwag, export.
 
-Launch:
-    python gpt2.py prepare --text ../shared/data/tinyshakespeare.txt --out data/shakespeare   # offline
-    python gpt2.py train --out out/gpt2                 # tiny model on CPU (or: prepare shakespeare online)
-    python gpt2.py train --model gpt2 --data data/fineweb10B --batch-size 16 --grad-accum 32 --compile \
-        --val-tokens 10485760
-    python gpt2.py sample --init-from out/gpt2/model.pt --prompt "Hello, I'm a language model,"
-    python gpt2.py hellaswag --init-from gpt2;  python gpt2.py export --init-from out/gpt2/model.pt --out out/hf
+Launch (the course data, then GPT-2 124M):
+    python gpt2.py prepare --text input.txt --tokenizer char --out data/shakespeare_char  # offline
+    python gpt2.py train --data data/shakespeare_char --steps 20 --batch-size 8 --seq-len 64 \
+        --out out/g     # a line per step (loss 4.2 at step 0, ~3.2 at 19), the val loss; ~10 s
+    python gpt2.py sample --init-from out/g/model.pt --prompt "ROMEO:"
+    python gpt2.py train --model gpt2 --data data/fineweb10B --batch-size 16 --grad-accum 32 \
+        --compile --val-tokens 10485760;  python gpt2.py hellaswag --init-from gpt2
 
-References: Radford et al. 2019 (GPT-2, section 2.3 init); Karpathy's nanoGPT, llm.c and build-nanogpt;
-Keller Jordan's modded-nanogpt (the shard format and the 3.28 FineWeb speedrun target).
+References: Radford et al. 2019 (GPT-2, section 2.3 init); Karpathy's nanoGPT, llm.c and
+build-nanogpt; Keller Jordan's modded-nanogpt (the shard format and the 3.28 FineWeb target).
 """
 import argparse
 import atexit
@@ -46,6 +48,7 @@ import mmap
 import os
 import pickle
 import resource
+import signal
 import socket
 import sys
 import threading
@@ -61,7 +64,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
-# The model: GPT-2 exactly as OpenAI shaped it, cut into embed / forward_blocks / head_loss for the techniques
+# The model: GPT-2 exactly as OpenAI shaped it, cut into embed / forward_blocks / head_loss
 
 
 @dataclass
@@ -72,6 +75,7 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
+    chars: str = ""  # a character vocabulary (token i is chars[i]); empty: GPT-2's BPE
 
 
 MODELS: dict[str, GPTConfig] = {
@@ -138,7 +142,7 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied, as in GPT-2: one matrix reads and writes tokens
+        self.lm_head.weight = self.wte.weight  # tied, as in GPT-2: one matrix reads and writes
         self.activation_checkpointing = False
         self.apply(self.init_weights)
 
@@ -146,7 +150,9 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear):
             # GPT-2 section 2.3: scale residual projections by 1/sqrt(N) with N = 2 adds per block,
             # so the residual stream's variance does not grow with depth
-            std = 0.02 * (2 * self.config.n_layer) ** -0.5 if getattr(m, "residual_scale", False) else 0.02
+            std = 0.02
+            if getattr(m, "residual_scale", False):
+                std *= (2 * self.config.n_layer) ** -0.5
             nn.init.normal_(m.weight, mean=0.0, std=std)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
@@ -159,7 +165,7 @@ class GPT(nn.Module):
 
     def embed(self, idx):
         T = idx.size(1)
-        assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
+        assert T <= self.config.block_size, f"sequence length {T} > {self.config.block_size}"
         return self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
 
     def forward_blocks(self, x, start=0, end=None):
@@ -172,23 +178,24 @@ class GPT(nn.Module):
         return x
 
     def logits(self, x):
-        """(..., padded_vocab) logits whose padding columns are -inf: the 47 extra rows exist only
-        for matmul speed, so they never win a sample and never enter the softmax, exactly as in
-        OpenAI's 50257-token model (and the logits stay contiguous, which keeps the softmax fast)."""
+        """(..., padded_vocab) logits whose padding columns are -inf: the extra rows exist only for
+        matmul speed, so they never win a sample and never enter the softmax, exactly as in OpenAI's
+        50257-token model (and the logits stay contiguous, which keeps the softmax fast)."""
         logits = self.lm_head(self.ln_f(x))
         logits[..., self.config.vocab_size:] = float("-inf")
         return logits
 
     def head_loss(self, x, targets):
-        """Mean next-token cross-entropy from the last block's hidden states (B, T, C). Beyond LOSS_CHUNK rows the
-        fp32 logits of the whole batch would not fit (B=64, T=1024: 13 GB, twice): chunked_cross_entropy."""
+        """Mean next-token cross-entropy from the last block's hidden states (B, T, C). Beyond
+        LOSS_CHUNK rows the fp32 logits of the whole batch would not fit (B=64, T=1024: 13 GB,
+        twice): chunked_cross_entropy (in the appendix) makes them a chunk at a time."""
         if x.shape[0] * x.shape[1] <= LOSS_CHUNK:
             return cross_entropy(self.logits(x), targets)
-        return chunked_cross_entropy(self.ln_f(x).flatten(0, 1), self.lm_head.weight, targets.flatten(),
-                                     self.config.vocab_size)
+        return chunked_cross_entropy(self.ln_f(x).flatten(0, 1), self.lm_head.weight,
+                                     targets.flatten(), self.config.vocab_size)
 
     def forward(self, idx, targets=None):
-        """(logits, loss); the logits are None where the loss was computed in chunks (they never existed whole)."""
+        """(logits, loss); the logits are None where the loss was made in chunks (never whole)."""
         x = self.forward_blocks(self.embed(idx))
         if targets is None:
             return self.logits(x[:, [-1], :]), None  # sampling needs the last position only
@@ -199,7 +206,250 @@ class GPT(nn.Module):
 
 
 def cross_entropy(logits, targets):
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))  # (B*T, V) vs (B*T,)
+    """The mean loss of (B, T, V) logits against (B, T) targets, in fp32."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def model_config(args) -> GPTConfig:
+    """MODELS[--model] with the --n-layer/--n-head/--n-embd overrides (check_model_flags has checked
+    them); a --data directory holding a character vocabulary (vocab.json) sets the vocabulary."""
+    check_model_flags(args)
+    names = ("n_layer", "n_head", "n_embd")
+    overrides = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+    chars = read_vocab(getattr(args, "data", None))
+    if chars:  # 65 characters for Tiny Shakespeare: wte's rows padded to a multiple of 128
+        padded = -(-len(chars) // 128) * 128
+        overrides.update(chars=chars, vocab_size=len(chars), padded_vocab=padded)
+    return GPTConfig(**{**MODELS[args.model].__dict__, **overrides})
+
+
+def build_model(args) -> GPT:
+    """The model every file trains, initialised from --seed: every rank and every technique starts
+    from the same weights. With --init-from the weights decide the shape (check_init_from refuses
+    flags naming another)."""
+    torch.manual_seed(args.seed)
+    if getattr(args, "init_from", None):
+        model = load_weights(args.init_from)
+        check_init_from(args, model.config)
+    else:
+        model = GPT(model_config(args))
+    model.activation_checkpointing = args.activation_checkpointing
+    return model
+
+
+# The data: the speedrun's shard format and a loader whose global batch does not depend on the
+# world size
+
+MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
+EOT = 50256  # <|endoftext|>, put before every document
+VOCAB = "vocab.json"  # beside character-level shards: {"chars": "..."}, token i is chars[i]
+
+
+def read_vocab(data_dir):
+    """The character vocabulary of a prepared directory, or "" (GPT-2's BPE: no vocab.json)."""
+    path = os.path.join(data_dir or "", VOCAB)
+    if not data_dir or not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)["chars"]
+
+
+def read_shard(path, vocab_size=None):
+    """Memory-map a shard's tokens (check_shard: the header, the file size and the token range)."""
+    n = check_shard(path)
+    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_INTS * 4, shape=(n,))
+    check_token_range(tokens, vocab_size, path)
+    return tokens
+
+
+class DataLoader:
+    """Each call reads one contiguous global batch of world*B*T+1 tokens and returns this rank's
+    rows; shards are read in sorted order and wrap around. state_dict() makes it resumable."""
+
+    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world=1, vocab_size=50257):
+        self.files = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.bin")))
+        check_shards_found(self.files, data_dir, split)
+        self.B, self.T, self.rank, self.world = batch_size, seq_len, rank, world
+        self.vocab_size = vocab_size
+        self.eval_steps = None  # set by make_loaders for --val-tokens
+        self.load_state_dict({"shard": 0, "pos": 0})
+
+    def state_dict(self):
+        return {"shard": self.shard, "pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.shard, self.pos = state["shard"], state["pos"]
+        self.tokens = read_shard(self.files[self.shard], self.vocab_size)
+        check_fits(self)
+
+    def next_batch(self, device=None):
+        """This rank's (B, T) inputs and (B, T) next-token targets on `device` (None: host)."""
+        span = self.world * self.B * self.T
+        if self.pos + span + 1 > len(self.tokens):
+            self.shard = (self.shard + 1) % len(self.files)
+            self.pos = 0
+            self.tokens = read_shard(self.files[self.shard], self.vocab_size)
+            check_fits(self)
+        lo = self.pos + self.rank * self.B * self.T
+        rows = self.tokens[lo: lo + self.B * self.T + 1]
+        buf = torch.from_numpy(rows.astype(np.int64))  # (B*T+1,)
+        self.pos += span
+        if device is not None and device.type == "cuda":
+            # page-locked memory lets the copy run asynchronously (a pageable one stalls the host)
+            buf = buf.pin_memory().to(device, non_blocking=True)
+        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)  # x, y shifted by one
+
+
+def make_loaders(args, rank=0, world=1, vocab_size=50257):
+    """Train and val loaders for data-parallel rank `rank` of `world`. The default data directory is
+    prepared on first use. --val-tokens N: validation reads the first N val tokens, the same text
+    for any world size."""
+    prepare_default_data(args)
+    B, T = args.batch_size, args.seq_len
+    loaders = tuple(DataLoader(args.data, split, B, T, rank, world, vocab_size)
+                    for split in ("train", "val"))
+    if getattr(args, "val_tokens", 0):
+        span = world * args.batch_size * args.seq_len  # tokens of one global batch
+        check_val_tokens(args, span, len(loaders[1].tokens) - 1, loaders[1].files[0])
+        loaders[1].eval_steps = args.val_tokens // span  # evaluate() reads these, not --eval-steps
+    return loaders
+
+
+# The recipe: AdamW groups, warmup + cosine LR, accumulation, evaluation, and the reference loop.
+# Its defaults (every file's flags start from these; GPT-2 124M on FineWeb: lr 6e-4, 0.5M tokens):
+RECIPE = dict(model="tiny", steps=200, batch_size=8, seq_len=256, grad_accum=1, lr=1e-3, warmup=20,
+              weight_decay=0.1, beta2=0.95, grad_clip=1.0, seed=1337, eval_every=50, eval_steps=10)
+
+
+def optimizer_groups(model, weight_decay):
+    """Decay 2-D weights (matmuls, embeddings) only; biases and LayerNorm gains are left alone."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def make_adamw(params_or_groups, args, device):
+    return torch.optim.AdamW(params_or_groups, lr=args.lr, betas=(0.9, args.beta2), eps=1e-8,
+                             fused=device.type == "cuda")
+
+
+def lr_at(step, args):
+    """Linear warmup for --warmup steps, then cosine decay to 10% of --lr at the last step."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    min_lr = 0.1 * args.lr
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - min_lr)
+
+
+def set_lr(opt, step, args):
+    """Put step's scheduled learning rate into every param group of opt; returns it."""
+    lr = lr_at(step, args)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    return lr
+
+
+def grad_norm(params):
+    """The global gradient norm as a 0-dim tensor (no host sync), summed as squares: torch's CPU
+    vector_norm is ~1e-4 low on wte's 6.4M-element gradient, and techniques summing shards' squares
+    must get the same number."""
+    squares = [p.grad.float().pow(2).sum() for p in params if p.grad is not None]
+    return torch.stack(squares).sum().sqrt()
+
+
+def clip_grad_norm_(params, max_norm):
+    """torch's rule, grads x min(1, max_norm / (norm + 1e-6)). Returns the norm before clipping."""
+    params = [p for p in params if p.grad is not None]
+    norm = grad_norm(params)
+    grads = [p.grad for p in params]
+    torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
+    return norm
+
+
+def accumulate_grads(loss_fn, loader, args, device, after_backward=None):
+    """Forward and backward over --grad-accum micro-batches. Each micro-batch's loss is divided by
+    grad_accum, so the accumulated gradient is the gradient of the mean over all of them.
+    loss_fn(x, y) returns a micro-batch's mean loss; after_backward() runs after each backward (e.g.
+    a reduce-scatter). Returns this rank's mean loss of the step, detached."""
+    loss_sum = torch.zeros((), device=device)
+    for _ in range(args.grad_accum):
+        x, y = loader.next_batch(device)
+        loss = loss_fn(x, y) / args.grad_accum
+        loss_sum += loss.detach()
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+    return loss_sum
+
+
+@torch.no_grad()
+def evaluate(loss_fn, loader: DataLoader, steps, device):
+    """Mean validation loss over `steps` batches (--val-tokens: the loader's own count) from the
+    start of the val split. loss_fn(x, y) -> loss; with a group the ranks' means are averaged,
+    which is the single-process mean."""
+    steps = loader.eval_steps or steps
+    loader.load_state_dict({"shard": 0, "pos": 0})
+    total = torch.zeros((), device=device)
+    for _ in range(steps):
+        x, y = loader.next_batch(device)
+        total += loss_fn(x, y).float()
+    total /= steps
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        total /= dist.get_world_size()
+    return total.item()
+
+
+def train(argv=None):
+    args = make_parser("Train GPT-2 in one process (see ddp.py for several).").parse_args(argv)
+    check_one_process()
+    ctx = setup(args)
+    model = build_model(args).to(ctx.device)
+    cfg = model.config
+    train_loader, val_loader = make_loaders(args, vocab_size=cfg.vocab_size)
+    opt = make_adamw(optimizer_groups(model, args.weight_decay), args, ctx.device)
+    fwd = torch.compile(model) if args.compile else model
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
+    metrics = Metrics(args, ctx, cfg, model.num_params(), tokens_per_step)
+    profiler = Profiler(args, ctx)
+    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | "
+           f"device {ctx.device} {ctx.dtype}")
+
+    def loss_fn(x, y):
+        with ctx.autocast():
+            return fwd(x, y)[1]  # the logits are dropped here, before backward: B*T*V floats
+
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = set_lr(opt, step, args)
+        loss_sum = accumulate_grads(loss_fn, train_loader, args, ctx.device)
+        if args.grad_clip > 0:
+            norm = clip_grad_norm_(model.parameters(), args.grad_clip)
+        else:
+            norm = grad_norm(model.parameters())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_val, norm_val = torch.stack([loss_sum, norm]).tolist()  # the step's one host sync
+        check_finite(loss_val, step)
+        metrics.log_step(step, loss_val, lr, grad_norm=norm_val)
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            model.eval()
+            metrics.log_val(step, evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
+            model.train()
+    check_finite_weights(model.parameters(), args.steps - 1)
+    save_model(os.path.join(args.out, "model.pt"), cfg, model.state_dict())
+    val = [r["val_loss"] for r in metrics.records if "val_loss" in r]
+    metrics.log_summary({"loss": loss_val, "val_loss": val[-1] if val else None})
+    metrics.plot()
+    print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
+
+
+# ---- Appendix ----
+
+
+# The loss of large batches, in chunks (GPT.head_loss calls it beyond LOSS_CHUNK rows)
 
 
 LOSS_CHUNK = 8192  # rows of (rows, V) fp32 logits alive at once: 1.6 GB at V = 50,304
@@ -241,213 +491,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad_x * grad_loss, (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None
 
 
-# torch._disable_dynamo: torch.compiler.disable that imports the compiler at the first call, not at import (-1 s)
-@torch._disable_dynamo  # eager: its work is large GEMMs; a compiled loop of in-place ops would save little
+@torch.compiler.disable  # eager: its work is large GEMMs; a compiled loop of in-place ops would save little
 def chunked_cross_entropy(x, weight, targets, vocab_size):
     grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return ChunkedCrossEntropy.apply(x, weight, targets, vocab_size, grads)
 
 
-def model_config(args) -> GPTConfig:
-    """MODELS[--model] with the --n-layer/--n-head/--n-embd overrides (check_model_flags has checked them)."""
-    check_model_flags(args)
-    overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k, None) is not None}
-    return GPTConfig(**{**MODELS[args.model].__dict__, **overrides})
-
-
-def build_model(args) -> GPT:
-    """The model every file trains, initialised from --seed: every rank and every technique starts from the same
-    weights. With --init-from the weights decide the shape (check_init_from refuses flags naming another)."""
-    torch.manual_seed(args.seed)
-    if getattr(args, "init_from", None):
-        model = load_weights(args.init_from)
-        check_init_from(args, model.config)
-    else:
-        model = GPT(model_config(args))
-    model.activation_checkpointing = args.activation_checkpointing
-    return model
-
-
-# The data: the speedrun's shard format and a loader whose global batch does not depend on the world size
-
-MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
-EOT = 50256  # <|endoftext|>, put before every document
-
-
-def read_shard(path, vocab_size=None):
-    """Memory-map a shard's tokens (check_shard: the header, the file size and the token range)."""
-    n = check_shard(path)
-    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_INTS * 4, shape=(n,))
-    check_token_range(tokens, vocab_size, path)
-    return tokens
-
-
-class DataLoader:
-    """Each call reads one contiguous global batch of world*B*T+1 tokens and returns this rank's rows;
-    shards are read in sorted order and wrap around. state_dict() makes it resumable."""
-
-    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world=1, vocab_size=50257):
-        self.files = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.bin")))
-        check_shards_found(self.files, data_dir, split)
-        self.B, self.T, self.rank, self.world, self.vocab_size = batch_size, seq_len, rank, world, vocab_size
-        self.eval_steps = None  # set by make_loaders for --val-tokens
-        self.load_state_dict({"shard": 0, "pos": 0})
-
-    def state_dict(self):
-        return {"shard": self.shard, "pos": self.pos}
-
-    def load_state_dict(self, state):
-        self.shard, self.pos = state["shard"], state["pos"]
-        self.tokens = read_shard(self.files[self.shard], self.vocab_size)
-        check_fits(self)
-
-    def next_batch(self, device=None):
-        """This rank's (B, T) inputs and (B, T) next-token targets, on `device` (None: host memory)."""
-        span = self.world * self.B * self.T
-        if self.pos + span + 1 > len(self.tokens):
-            self.shard = (self.shard + 1) % len(self.files)
-            self.pos = 0
-            self.tokens = read_shard(self.files[self.shard], self.vocab_size)
-            check_fits(self)
-        lo = self.pos + self.rank * self.B * self.T
-        buf = torch.from_numpy(self.tokens[lo: lo + self.B * self.T + 1].astype(np.int64))  # (B*T+1,)
-        self.pos += span
-        if device is not None and device.type == "cuda":
-            # page-locked memory lets the copy run asynchronously: a pageable copy would make the host wait
-            buf = buf.pin_memory().to(device, non_blocking=True)
-        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)  # (B, T) x, (B, T) y shifted by one
-
-
-def make_loaders(args, rank=0, world=1, vocab_size=50257):
-    """Train and val loaders for data-parallel rank `rank` of `world`. The default data directory is prepared on
-    first use. --val-tokens N: validation reads the first N val tokens, the same text for any world size."""
-    prepare_default_data(args)
-    loaders = (DataLoader(args.data, "train", args.batch_size, args.seq_len, rank, world, vocab_size),
-               DataLoader(args.data, "val", args.batch_size, args.seq_len, rank, world, vocab_size))
-    if getattr(args, "val_tokens", 0):
-        span = world * args.batch_size * args.seq_len  # tokens of one global batch
-        check_val_tokens(args, span, len(loaders[1].tokens) - 1, loaders[1].files[0])
-        loaders[1].eval_steps = args.val_tokens // span  # evaluate() reads this many batches, not --eval-steps
-    return loaders
-
-
-# The recipe: AdamW groups, warmup + cosine LR, accumulation, evaluation, and the reference loop.
-# Its defaults (every file's flags start from these; GPT-2 124M on FineWeb: lr 6e-4, B*T*accum = 0.5M tokens):
-RECIPE = dict(model="tiny", steps=200, batch_size=8, seq_len=256, grad_accum=1, lr=1e-3, warmup=20, weight_decay=0.1,
-              beta2=0.95, grad_clip=1.0, seed=1337, eval_every=50, eval_steps=10)
-
-
-def optimizer_groups(model, weight_decay):
-    """Decay 2-D weights (matmuls, embeddings) only; biases and LayerNorm gains are left alone."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-
-
-def make_adamw(params_or_groups, args, device):
-    return torch.optim.AdamW(params_or_groups, lr=args.lr, betas=(0.9, args.beta2), eps=1e-8,
-                             fused=device.type == "cuda")
-
-
-def lr_at(step, args):
-    """Linear warmup for --warmup steps, then cosine decay to 10% of --lr at the last step."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    min_lr = 0.1 * args.lr
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - min_lr)
-
-
-def set_lr(opt, step, args):
-    """Put step's scheduled learning rate into every param group of opt; returns it."""
-    lr = lr_at(step, args)
-    for g in opt.param_groups:
-        g["lr"] = lr
-    return lr
-
-
-def clip_grad_norm_(params, max_norm):
-    """torch's rule, grads x min(1, max_norm / (norm + 1e-6)), the norm summed as squares: torch's CPU vector_norm is
-    ~1e-4 low on wte's 6.4M-element gradient, and techniques summing shards' squares would clip differently."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.stack([g.float().pow(2).sum() for g in grads]).sum().sqrt()
-    torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
-    return norm
-
-
-def accumulate_grads(loss_fn, loader, args, device, after_backward=None):
-    """Forward and backward over --grad-accum micro-batches. Each micro-batch's loss is divided by
-    grad_accum, so the accumulated gradient is the gradient of the mean over all of them. loss_fn(x, y)
-    returns a micro-batch's mean loss; after_backward() runs after each backward (e.g. reduce-scatter).
-    Returns this rank's mean loss of the step, detached."""
-    loss_sum = torch.zeros((), device=device)
-    for _ in range(args.grad_accum):
-        x, y = loader.next_batch(device)
-        loss = loss_fn(x, y) / args.grad_accum
-        loss_sum += loss.detach()
-        loss.backward()
-        if after_backward is not None:
-            after_backward()
-    return loss_sum
-
-
-@torch.no_grad()
-def evaluate(loss_fn, loader: DataLoader, steps, device):
-    """Mean validation loss over `steps` batches (--val-tokens: the loader's own count) from the start of the
-    val split. loss_fn(x, y) -> loss; with a group the ranks' means are averaged = the single-process mean."""
-    steps = loader.eval_steps or steps
-    loader.load_state_dict({"shard": 0, "pos": 0})
-    total = torch.zeros((), device=device)
-    for _ in range(steps):
-        x, y = loader.next_batch(device)
-        total += loss_fn(x, y).float()
-    total /= steps
-    if dist.is_initialized():
-        dist.all_reduce(total)
-        total /= dist.get_world_size()
-    return total.item()
-
-
-def train(argv=None):
-    args = make_parser("Train GPT-2 in one process (see ddp.py for several).").parse_args(argv)
-    check_one_process()
-    ctx = setup(args)
-    model = build_model(args).to(ctx.device)
-    cfg = model.config
-    train_loader, val_loader = make_loaders(args, vocab_size=cfg.vocab_size)
-    opt = make_adamw(optimizer_groups(model, args.weight_decay), args, ctx.device)
-    fwd = torch.compile(model) if args.compile else model
-    metrics = Metrics(args, ctx, cfg, model.num_params(), args.batch_size * args.seq_len * args.grad_accum)
-    profiler = Profiler(args, ctx)
-    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | device {ctx.device} {ctx.dtype}")
-
-    def loss_fn(x, y):
-        with ctx.autocast():
-            return fwd(x, y)[1]  # the logits are dropped here, before backward: B*T*V floats
-
-    for step in range(args.steps):
-        profiler.step(step)
-        metrics.start_step()
-        lr = set_lr(opt, step, args)
-        loss_sum = accumulate_grads(loss_fn, train_loader, args, ctx.device)
-        if args.grad_clip > 0:
-            clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_val = loss_sum.item()
-        check_finite(loss_val, step)
-        metrics.log_step(step, loss_val, lr)
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            model.eval()
-            metrics.log_val(step, evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
-            model.train()
-    check_finite_weights(model.parameters(), args.steps - 1)
-    save_model(os.path.join(args.out, "model.pt"), cfg, model.state_dict())
-    metrics.plot()
-    print0(f"saved {args.out}/model.pt and {args.out}/loss.png")
-
-
-# ---- Appendix ----
 # HF weights in and out: OpenAI's checkpoints in the Hugging Face layout, and this project's model.pt
 
 
@@ -626,9 +675,10 @@ def get_tokenizer():
              "offline, set it to a directory holding tiktoken's cache (this project's CI uses ../shared/tiktoken)")
 
 
-def prepare_text(text_file, out_dir):
-    """Any local text: a 90/10 split on characters (as nanoGPT does), GPT-2 tokens, one shard each."""
-    enc = get_tokenizer()
+def prepare_text(text_file, out_dir, tokenizer="gpt2"):
+    """Any local text: a 90/10 split on characters (as nanoGPT does), one shard each, of GPT-2 tokens or
+    (tokenizer "char", nanoGPT's shakespeare_char) of character ids, the vocabulary in DIR/vocab.json."""
+    enc = get_tokenizer() if tokenizer == "gpt2" else None
     try:
         with open(text_file, encoding="utf-8") as f:
             text = f.read()
@@ -638,10 +688,23 @@ def prepare_text(text_file, out_dir):
         fail(f"cannot read {text_file} ({e.strerror})", "--text", "pass an existing plain-text file")
     if not text.strip():
         fail("the file holds no text", text_file, "pass a file with some text to train on")
+    chars = "".join(sorted(set(text)))
+    if enc is None and len(chars) > 256:
+        fail(f"{len(chars)} distinct characters (at most 256 for --tokenizer char)", text_file,
+             "pass a text with fewer distinct characters, or use --tokenizer gpt2")
     make_dir(out_dir, "--out")
+    if enc is None:
+        with open(os.path.join(out_dir, VOCAB), "w", encoding="utf-8") as f:
+            json.dump({"chars": chars}, f)
+        print(f"vocabulary: {len(chars)} characters -> {out_dir}/{VOCAB}")
     cut = int(0.9 * len(text))
     for split, part in (("train", text[:cut]), ("val", text[cut:])):
-        tokens = np.array(enc.encode_ordinary(part), dtype=np.uint16)
+        if enc is None:
+            points = np.frombuffer(part.encode("utf-32-le"), dtype=np.uint32)  # code points
+            vocab = np.frombuffer(chars.encode("utf-32-le"), dtype=np.uint32)  # sorted code points
+            tokens = np.searchsorted(vocab, points).astype(np.uint16)  # each one's index in chars
+        else:
+            tokens = np.array(enc.encode_ordinary(part), dtype=np.uint16)
         write_shard(os.path.join(out_dir, f"{split}_000000.bin"), tokens)
         print(f"{split}: {len(tokens):,} tokens -> {out_dir}")
 
@@ -706,20 +769,27 @@ def prepare_fineweb_edu(out_dir, shards, shard_tokens=100_000_000):
 
 
 def prepare(argv):
-    p = argparse.ArgumentParser(prog="gpt2.py prepare", description="Tokenize a corpus into GPT-2 token shards.")
-    p.add_argument("name", nargs="?", choices=["shakespeare", "fineweb10B", "fineweb-edu"],
-                   help="a named corpus to download (needs network); omit it and pass --text for a local file")
+    p = argparse.ArgumentParser(prog="gpt2.py prepare", description="Tokenize a corpus into token shards.")
+    p.add_argument("name", nargs="?", choices=["shakespeare", "shakespeare-char", "fineweb10B", "fineweb-edu"],
+                   help="a named corpus to download (needs network); omit it and pass --text for a local file; "
+                   "shakespeare-char = Tiny Shakespeare, one token per character (the course data)")
     p.add_argument("--text", help="a local UTF-8 text file to tokenize (works offline)")
+    p.add_argument("--tokenizer", choices=["gpt2", "char"], help="for --text: GPT-2's BPE (default) or one "
+                   "token per character, the vocabulary written to OUT/vocab.json")
     p.add_argument("--out", help="output directory (default data/NAME)")
     p.add_argument("--shards", type=int, default=8, help="train shards of 100M tokens (fineweb); 103 = all 10B")
     a = p.parse_args(argv)
+    if a.tokenizer and not a.text:
+        p.error("--tokenizer applies to --text FILE (the named corpora choose their own)")
     if a.text:
-        return prepare_text(a.text, a.out or "data/text")
-    if a.name == "shakespeare":
+        return prepare_text(a.text, a.out or "data/text", a.tokenizer or "gpt2")
+    if a.name in ("shakespeare", "shakespeare-char"):
         url = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-        out = a.out or "data/shakespeare"
-        src = download(url, os.path.join(out, "input.txt"), offline_hint=f"with a local copy of the text run `python gpt2.py prepare --text FILE --out {out}`")
-        return prepare_text(src, out)
+        out = a.out or f"data/{a.name.replace('-', '_')}"
+        tokenizer = "char" if a.name == "shakespeare-char" else "gpt2"
+        src = download(url, os.path.join(out, "input.txt"), offline_hint="with a local copy of the text run "
+                       f"`python gpt2.py prepare --text FILE --tokenizer {tokenizer} --out {out}`")
+        return prepare_text(src, out, tokenizer)
     if a.name == "fineweb10B":
         return prepare_fineweb10b(a.out or "data/fineweb10B", a.shards)
     if a.name == "fineweb-edu":
@@ -744,16 +814,26 @@ class UsageError(ValueError):
 
     def __init__(self, what, where, todo, local=False):
         super().__init__(f"{what} ({where}): {todo}")
-        self.local = local
+        self.what, self.local = what, local
 
 
 def fail(what, where, todo, local=False):
     raise UsageError(what, where, todo, local)
 
 
+class Terminated(Exception):
+    """SIGTERM (a scheduler's or torchrun's stop), raised in the main thread like Ctrl-C's KeyboardInterrupt."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated
+
+
 def run_main(main, argv=None):
     """Every file's entry point: main(argv), with the project's own errors as one line, printed once.
-    Ctrl-C ends in one line too (exit 130); a refused run removes the directories it created."""
+    Ctrl-C and SIGTERM end in one line too (exit 130, 143); a refused run removes the directories it created."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, raise_terminated)
     try:
         main(argv)
     except UsageError as e:
@@ -774,13 +854,14 @@ def run_main(main, argv=None):
         sys.stderr.flush()
         atexit._run_exitfuncs()  # release --out's lock; then leave without tearing down a group whose peers are gone
         os._exit(3)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as e:
         if int(os.environ.get("RANK", 0)) == 0:
             step = RUN["step"]
             at = f"after step {step}" if step is not None else "before the first step"
-            print(f"interrupted {at}: {RUN['resume']}", file=sys.stderr, flush=True)
+            how = "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated (SIGTERM)"
+            print(f"{how} {at}: {RUN['resume']}", file=sys.stderr, flush=True)
         end_gloo_group()
-        sys.exit(130)
+        sys.exit(130 if isinstance(e, KeyboardInterrupt) else 143)
     if dist.is_initialized():
         dist.barrier()  # every rank is done before any tears its part of the group down
         dist.destroy_process_group()
@@ -931,6 +1012,12 @@ def check_init_from(args, cfg):
     if args.seq_len > cfg.block_size:
         fail(f"--seq-len {args.seq_len} exceeds the context {cfg.block_size} of {args.init_from}", "--seq-len",
              f"use at most {cfg.block_size}")
+    chars = read_vocab(getattr(args, "data", None))
+    if chars != cfg.chars:
+        have = f"{len(cfg.chars)} characters" if cfg.chars else "GPT-2's BPE"
+        want = f"{len(chars)} characters" if chars else "GPT-2's BPE"
+        fail(f"--init-from {args.init_from} reads {have}, but --data {args.data} holds {want}", "--data",
+             "pass data prepared with the tokenizer the weights were trained with")
 
 
 def check_shard(path):
@@ -997,8 +1084,9 @@ def prepare_default_data(args):
     if int(os.environ.get("RANK", 0)) == 0:
         try:
             prepare(["shakespeare"])
-        except UsageError as e:
-            error = e
+        except UsageError as e:  # offline: name the flag that avoids the download
+            error = UsageError(e.what, "--data", "offline? pass --data DIR, a directory "
+                               "prepared by `python gpt2.py prepare --text FILE --out DIR` (any UTF-8 text)")
     if not agree(error is None):
         raise error or UsageError("rank 0 could not prepare data/shakespeare", "--data", "see rank 0's line")
 
@@ -1284,7 +1372,7 @@ class Metrics:
                     for line in f:
                         with contextlib.suppress(ValueError):  # a line cut short by a kill is dropped
                             rec = json.loads(line)
-                            if rec["step"] < resume_step:
+                            if rec.get("step", resume_step) < resume_step:  # not the summary
                                 self.records.append(rec)
             with open(self.path, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in self.records)
@@ -1293,27 +1381,36 @@ class Metrics:
     def start_step(self):
         self.t0 = time.perf_counter()
 
-    def log_step(self, step, loss, lr, comm_mb=0.0, **extra):
-        """Call after the optimizer step with the global mean loss as a float: reading it (loss.item()) is the
-        step's one host sync, so the host clock here measures the step without a torch.cuda.synchronize()."""
+    def log_step(self, step, loss, lr, comm_mb=0.0, grad_norm=None, **extra):
+        """Call after the optimizer step with the global mean loss and the global gradient norm before
+        clipping as floats (llm.c prints both): reading them (one .tolist() of both) is the step's one host
+        sync, so the host clock here measures the step without a torch.cuda.synchronize()."""
         dt = time.perf_counter() - self.t0
         tok_s = self.tokens_per_step / dt
         mfu = self.flops_per_step / dt / (self.ctx.world * self.peak) if self.peak else None
         RUN["step"] = step
         rec = {"step": step, "loss": loss, "lr": lr, "tokens": (step + 1) * self.tokens_per_step,
                "dt_ms": dt * 1e3, "tok_per_s": tok_s, "mfu": mfu,
-               "peak_mem_mb": peak_memory_mb(self.ctx.device), "comm_mb": comm_mb, **extra}
+               "peak_mem_mb": peak_memory_mb(self.ctx.device), "comm_mb": comm_mb, "grad_norm": grad_norm,
+               **extra}
         if self.ctx.device.type == "cuda":  # what the caching allocator holds: what nvidia-smi and an OOM see
             rec["peak_reserved_mb"] = torch.cuda.max_memory_reserved(self.ctx.device) / 1e6
         self._write(rec)
         mfu_s = f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""
-        print0(f"step {step:5d} | loss {loss:.6f} | lr {lr:.2e} | {dt * 1e3:7.1f} ms | {tok_s:9.0f} tok/s{mfu_s} | comm {comm_mb:.2f} MB")
+        norm_s = f" | norm {grad_norm:.4f}" if grad_norm is not None else ""
+        # 4 decimals (as nanoGPT): the 7th digit differs between CPUs' kernels; metrics.jsonl keeps them all
+        print0(f"step {step:5d} | loss {loss:.4f}{norm_s} | lr {lr:.2e} | {dt * 1e3:7.1f} ms | "
+               f"{tok_s:9.0f} tok/s{mfu_s} | comm {comm_mb:.2f} MB")
         return rec
 
     def log_val(self, step, val_loss):
         check_finite(val_loss, step, "val loss")  # a NaN must stop the run, not land in metrics.jsonl
         self._write({"step": step, "val_loss": val_loss})
-        print0(f"step {step:5d} | val loss {val_loss:.6f}")
+        print0(f"step {step:5d} | val loss {val_loss:.4f}")
+
+    def log_summary(self, figures):
+        """The run's last record, {"summary": {...}}: the figures its closing lines print."""
+        self._write({"summary": figures})
 
     def _write(self, rec):
         self.records.append(rec)
@@ -1593,11 +1690,20 @@ def sample(argv, load_model=None, prog="gpt2.py sample", init_help="gpt2..., a H
     check_range(a.num_samples, "--num-samples", 1, todo="give a positive number of samples")
     check_range(a.max_new_tokens, "--max-new-tokens", 1, todo="give a positive number of tokens")
     torch.manual_seed(a.seed)
-    model, enc = (load_model or load_for_inference)(a.init_from, torch.device(a.device)), get_tokenizer()
-    prompt = enc.encode(a.prompt, allowed_special={"<|endoftext|>"}) or [EOT]  # '' starts from <|endoftext|>
+    model = (load_model or load_for_inference)(a.init_from, torch.device(a.device))
+    chars = model.config.chars
+    if chars:  # a character-level model (gpt2.py prepare --tokenizer char): token i is chars[i]
+        if any(c not in chars for c in a.prompt):
+            fail(f"the prompt holds characters outside the model's {len(chars)}-character vocabulary",
+                 "--prompt", f"use only these: {chars!r}")
+        prompt, decode = [chars.index(c) for c in a.prompt] or [0], lambda row: "".join(chars[i] for i in row)
+    else:
+        enc = get_tokenizer()
+        prompt = enc.encode(a.prompt, allowed_special={"<|endoftext|>"}) or [EOT]  # '' = <|endoftext|>
+        decode = enc.decode
     idx = torch.tensor([prompt] * a.num_samples, device=a.device)
     for row in generate(model, idx, a.max_new_tokens, a.temperature, a.top_k).tolist():
-        print(enc.decode(row), "\n" + "-" * 40)
+        print(decode(row), "\n" + "-" * 40)
 
 
 def export(argv):

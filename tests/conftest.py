@@ -38,6 +38,15 @@ def shakespeare(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def shakespeare_char(tmp_path_factory):
+    """The course data: Tiny Shakespeare, one token per character (65; train 1,003,854 / val 111,540)."""
+    import gpt2
+    out = str(tmp_path_factory.mktemp("shakespeare_char"))
+    gpt2.prepare_text(os.path.join(SHARED, "data", "tinyshakespeare.txt"), out, tokenizer="char")
+    return out
+
+
+@pytest.fixture(scope="session")
 def random_data(tmp_path_factory):
     """Random-token shards (no tokenizer needed): two train shards and one val shard."""
     import gpt2

@@ -431,6 +431,69 @@ def test_default_data_is_prepared_by_rank_0_alone(tmp_path):
     assert run_distributed(_prepare_default_data, 2, str(tmp_path / "a"), False) == [(1, 5000), (0, 5000)]
     (rank0, msg0), (rank1, msg1) = run_distributed(_prepare_default_data, 2, str(tmp_path / "b"), True)
     assert (rank0, rank1) == (1, 0) and "offline" in msg0 and "rank 0 could not prepare data/shakespeare" in msg1
+    assert msg0.endswith("(--data): offline? pass --data DIR, a directory prepared by `python gpt2.py prepare "
+                         "--text FILE --out DIR` (any UTF-8 text)"), msg0  # the flag that avoids the download
+
+
+# -- the course data: one token per character ---------------------------------------------------------
+
+TINY_RUN = ["--model", "tiny", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "32",
+            "--eval-every", "0", "--device", "cpu", "--dtype", "float32"]
+
+
+def test_char_data_sets_the_vocabulary_and_sample_decodes_it(shakespeare_char, shakespeare, tmp_path, capsys):
+    """nanoGPT's shakespeare_char: 65 characters, 1,003,854 train / 111,540 val tokens; --data alone makes
+    the model's vocabulary (wte padded to 128 rows); model.pt carries it, so sample prints characters."""
+    chars = gpt2.read_vocab(shakespeare_char)
+    assert len(chars) == 65 and chars == "".join(sorted(chars)) and chars[0] == "\n"
+    assert [len(gpt2.read_shard(os.path.join(shakespeare_char, f"{s}_000000.bin"))) for s in ("train", "val")] \
+        == [1_003_854, 111_540]
+    first = gpt2.read_shard(os.path.join(shakespeare_char, "train_000000.bin"))[:10]
+    assert "".join(chars[i] for i in first) == "First Citi"
+    args = gpt2.make_parser("t").parse_args(["--data", shakespeare_char])
+    cfg = gpt2.model_config(args)
+    assert (cfg.vocab_size, cfg.padded_vocab, cfg.chars) == (65, 128, chars)
+    out = str(tmp_path / "char")
+    gpt2.run_main(gpt2.train, TINY_RUN + ["--data", shakespeare_char, "--steps", "2", "--batch-size", "2",
+                                          "--out", out])
+    capsys.readouterr()
+    gpt2.sample(["--init-from", f"{out}/model.pt", "--prompt", "ROMEO:", "--num-samples", "1",
+                 "--max-new-tokens", "30"])
+    printed = capsys.readouterr().out.split(" \n" + "-" * 40)[0]  # print(text, "\n---")
+    assert printed.startswith("ROMEO:") and len(printed) == 36 and set(printed) <= set(chars), printed
+    with pytest.raises(gpt2.UsageError, match=r"reads 65 characters, but --data .* holds GPT-2's BPE \(--data\)"):
+        gpt2.train(["--init-from", f"{out}/model.pt", "--data", shakespeare, "--out", str(tmp_path / "x")])
+
+
+def test_grad_norm_is_recorded_and_the_micro_batch_loss_divided_by_grad_accum(random_data, tmp_path):
+    """metrics.jsonl records the pre-clip gradient norm every step: 2 micro-batches of 4 give one batch of
+    8's norm (a micro-batch loss not divided by --grad-accum shows as a norm 2x too large); the run ends in
+    one summary record."""
+    runs = {"b8": ["--batch-size", "8"], "b4x2": ["--batch-size", "4", "--grad-accum", "2"]}
+    for name, flags in runs.items():
+        gpt2.run_main(gpt2.train, TINY_RUN + ["--data", random_data, "--steps", "2", "--out",
+                                              str(tmp_path / name)] + flags)
+    recs = {name: read_metrics(str(tmp_path / name)) for name in runs}
+    norms = {name: [r["grad_norm"] for r in rs if "loss" in r] for name, rs in recs.items()}
+    assert norms["b8"][0] > 0.1 and math.isclose(norms["b4x2"][0], norms["b8"][0], rel_tol=1e-5), norms
+    assert recs["b8"][-1] == {"summary": {"loss": recs["b8"][-2]["loss"], "val_loss": None}}
+
+
+def test_sigterm_ends_the_run_in_one_line(random_data, tmp_path):
+    """A scheduler's stop (SIGTERM) says, like Ctrl-C, after which step the run ended and what to do."""
+    out = tmp_path / "o"
+    proc = subprocess.Popen([sys.executable, "gpt2.py", "train"] + TINY_RUN + [
+        "--data", random_data, "--steps", "100000", "--batch-size", "2", "--warmup", "1", "--out", str(out)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    import time
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.terminate()
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 143 and err.count("\n") == 1, (proc.returncode, err)
+    assert err.startswith("terminated (SIGTERM) after step ") and "nothing was saved" in err, err
 
 
 def test_chunked_cross_entropy_equals_the_plain_loss_and_saves_no_full_logits(monkeypatch):
