@@ -64,7 +64,8 @@ CORES = ["ddp.py", "fsdp2.py", "tensor_parallel.py", "pipeline.py", "moe_ep.py",
 def closing_lines(printed, out):
     lines = printed.replace(out, "OUT").splitlines()
     last = max((i for i, line in enumerate(lines) if re.match(r"step\s+\d+ \|", line)), default=-1)
-    return [re.sub(r"\d+(\.\d+)?(e[-+]?\d+)? ?(ms|s|tok/s)\b", "<time>", line) for line in lines[last + 1:]]
+    timed = r"\d+(\.\d+)?(e[-+]?\d+)? ?(ms|s|tok/s|x)\b"  # times, and ratios of times ("1.9x less")
+    return [re.sub(timed, "<time>", line) for line in lines[last + 1:]]
 
 
 def lesson_flags(name, handout, data, out):
