@@ -80,7 +80,7 @@ def plan(gpus, data, out, smoke=False):
 
     def row(name, nproc, argv, kind, ref=None, seconds=None, phase=None, tol=EXACT, **extra):
         d = os.path.join(out, name_dir(name))
-        seconds = seconds or SECONDS[f"tiny {nproc}"]
+        seconds = (seconds or SECONDS[f"tiny {nproc}"]) * (4 if smoke else 1)  # the CPU (gloo) is slower
         if argv[0].endswith(".py") and not argv[0].startswith("tests/"):
             argv = argv + ["--out", d, "--timeout", str(seconds)]  # a hung collective ends within the row
         rows.append({"row": name, "nproc": nproc, "argv": argv, "kind": kind, "ref": ref, "out": d,

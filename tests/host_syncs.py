@@ -309,10 +309,17 @@ SYNC_CALLS = {"item": "item/bool/float", "tolist": "tolist", "numpy": "numpy", "
 
 class OnCuda(ast.NodeTransformer):
     """A branch test as it evaluates on CUDA: `X == "cuda"`, `X.is_cuda`, `torch.cuda.is_available()`,
-    `dist.get_backend() == "nccl"` become True (`!=`: False). `found` says whether the test had any."""
+    `dist.get_backend() == "nccl"` become True (`!=`: False), and so do the names (`cuda`, `self.cuda`) the file
+    assigns such a test to (`flags`). `found` says whether the test had any."""
 
-    def __init__(self):
-        self.found = False
+    def __init__(self, flags=()):
+        self.found, self.flags = False, set(flags)
+
+    def visit_Name(self, node):
+        if node.id in self.flags and isinstance(node.ctx, ast.Load):
+            self.found = True
+            return ast.copy_location(ast.Constant(True), node)
+        return node
 
     def visit_Compare(self, node):
         self.generic_visit(node)
@@ -327,7 +334,7 @@ class OnCuda(ast.NodeTransformer):
 
     def visit_Attribute(self, node):
         self.generic_visit(node)
-        if node.attr == "is_cuda":
+        if node.attr == "is_cuda" or node.attr in self.flags and isinstance(node.ctx, ast.Load):
             self.found = True
             return ast.copy_location(ast.Constant(True), node)
         return node
@@ -365,11 +372,19 @@ def cuda_branches(path):
     every `if`/`elif`/conditional expression of `path` that tests for CUDA and whose CUDA side syncs."""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
+    flags = set()  # names assigned a CUDA test: `cuda = x.device.type == "cuda"`, `self.cuda = ...`
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Compare, ast.BoolOp, ast.Attribute)):
+            probe = OnCuda()
+            probe.visit(ast.parse(ast.unparse(node.value), mode="eval"))
+            if probe.found:
+                flags |= {t.id if isinstance(t, ast.Name) else t.attr for t in node.targets
+                          if isinstance(t, (ast.Name, ast.Attribute))}
     out = {}
     for node in ast.walk(tree):
         if not isinstance(node, (ast.If, ast.IfExp)):
             continue
-        on_cuda = OnCuda()
+        on_cuda = OnCuda(flags)
         test = on_cuda.visit(ast.parse(ast.unparse(node.test), mode="eval"))
         if not on_cuda.found:
             continue

@@ -115,6 +115,9 @@ def step(x, cuda_timing):
         x = x.to("cpu", non_blocking=True)  # no sync: non_blocking
     if dist.is_initialized() and dist.get_backend() == "nccl":
         dist.barrier()  # not counted: no process group in this step
+    cuda = x.device.type == "cuda"
+    if cuda:
+        x.tolist()  # counted: `cuda` holds a CUDA test
     return loss
 '''
 
@@ -126,13 +129,14 @@ def test_a_sync_in_a_branch_only_cuda_takes_is_counted_when_the_step_reaches_it(
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     tracer = host_syncs.BranchTracer(counter, [str(path)])
-    assert len(tracer.files[str(path)]) == 4, tracer.files  # the non_blocking copy's branch holds no sync
+    assert len(tracer.files[str(path)]) == 5, tracer.files  # the non_blocking copy's branch holds no sync
     tracer.start(sys._getframe())
     try:
         seen = added(counter, lambda: module.step(torch.ones(3), cuda_timing=False))
     finally:
         tracer.stop()
-    assert seen == {"CUDA-only branch: synchronize": 1, "CUDA-only branch: device -> host copy": 1}, seen
+    assert seen == {"CUDA-only branch: synchronize": 1, "CUDA-only branch: device -> host copy": 1,
+                    "CUDA-only branch: tolist": 1}, seen
     assert added(counter, lambda: module.step(torch.ones(3), cuda_timing=False)) == {}, "counted after stop()"
 
 
