@@ -197,7 +197,8 @@ def losses(out):
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if '"loss"' in line]
+        recs = [json.loads(line) for line in f]
+    return [r for r in recs if "loss" in r and "step" in r]  # the step records (not val, not the summary)
 
 
 def last_commit(ckpt_dir):
@@ -368,7 +369,10 @@ def execute(rows, gpus, minutes, smoke, visible_ids=None):
                 res = {"row": r["row"], "ok": False, "skipped": True,
                        "error": f"skipped: needs {r['seconds']} s, {max(0, left):.0f} s of --minutes left"}
             else:
-                res = run_row(r, env, done)
+                try:
+                    res = run_row(r, env, done)
+                except Exception as e:  # noqa: BLE001 - a row that cannot be read is a failed row, not a crash
+                    res = {"row": r["row"], "ok": False, "error": f"gpu_check could not read the row: {e!r}"}
             with lock:
                 done[r["row"]] = r
                 results[r["row"]] = res
