@@ -4,7 +4,6 @@ flag those rows pass exists in the file they run, every flag of gpu_check.py tha
 exists; and how it runs rows (fake ones here): a row that runs past its seconds has its whole process group ended, a
 row that no longer fits is skipped with a line, and the exit code is 1 with a one-line summary naming them."""
 import contextlib
-import importlib
 import io
 import json
 import os
@@ -16,7 +15,7 @@ import time
 import pytest
 
 import gpu_check
-from harness import ROOT
+from harness import ROOT, file_flags
 
 
 def dry_run(gpus, *extra):
@@ -137,16 +136,6 @@ def test_the_resume_row_expects_the_last_commit_that_exists(tmp_path):
     res = gpu_check.run_row(said, dict(os.environ), {})
     assert not res["ok"] and "expected 'resumed from step 10' (the last commit)" in res["error"], res
     assert not gpu_check.run_row(fake("none", "pass", ckpt_dir=str(tmp_path / "empty")), dict(os.environ), {})["ok"]
-
-
-def file_flags(name):
-    """The flags `python FILE --help` lists (`gpt2.py train --help`), asked in this process: no launch per file."""
-    module = importlib.import_module(name[:-3])
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop:
-        module.run_main(module.train, ["--help"]) if name == "gpt2.py" else module.cli(["--help"])
-    assert stop.value.code in (0, None), f"{name} --help exited {stop.value.code}"
-    return set(re.findall(r"--[a-z0-9][a-z0-9-]*", out.getvalue()))
 
 
 def test_every_flag_a_row_passes_exists_in_its_file():
