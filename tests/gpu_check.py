@@ -30,6 +30,7 @@ at 124M with compile, flash attention, every equality row within its tolerance.
 import argparse
 import ast
 import concurrent.futures
+import contextlib
 import glob
 import json
 import math
@@ -214,19 +215,22 @@ def run_process(cmd, timeout, env):
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        return proc.returncode if proc.wait(timeout=timeout) is not None else None, proc.stdout.read()
+        printed = proc.communicate(timeout=timeout)[0]  # read while waiting: a full pipe would stall the row
+        return proc.returncode, printed
     except subprocess.TimeoutExpired:
-        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+        # SIGTERM first (the files print a line and release --out), then SIGKILL for what is left: a rank blocked
+        # in an NCCL wait never runs its Python signal handler
+        for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 break
-            try:
-                proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        return None, proc.stdout.read()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        try:
+            return None, proc.communicate(timeout=10)[0]
+        except subprocess.TimeoutExpired:  # a process outside the group holds the pipe
+            return None, ""
 
 
 def run_row(r, env, done):
