@@ -55,6 +55,9 @@ RUNS = {
     "checkpoint.py": (2, ["--save-every", "1"]),
 }
 # The measured syncs of one step at --grad-accum 2 (the worst rank), each file's budget: one more fails the test.
+# The loss (and gradient norm) read once a step; moe_ep: each MoE layer's split sizes per micro-step (4 x 2) and
+# the step's figures; checkpoint.py's saving step: its 3 blocking device -> host snapshot copies. pipeline.py: 1 is its
+# loss; it measured 5 (its micro-batches copied to the device from pageable host memory, 4 waits on CUDA).
 BUDGET = {"gpt2.py": 1, "ddp.py": 1, "fsdp2.py": 1, "tensor_parallel.py": 1, "pipeline.py": 1, "moe_ep.py": 9,
           "fp8.py": 1, "muon.py": 1, "checkpoint.py": 4}
 CEILING, PER_MOE_LAYER = 4, 1  # issue 29: at most 4 a step, moe_ep 1 more per MoE layer per micro-step
