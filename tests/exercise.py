@@ -4,7 +4,8 @@
     # ... write them (each raises NotImplementedError("exercise N: what to write") until you do) ...
     python -m pytest -q --impl mine tests/test_ddp.py    # exactly the tests that check ours, on your copy
 
-    python tests/exercise.py ddp.py --core --out handout  # handout/ddp.py: the core alone (it trains), + gpt2.py
+    python tests/exercise.py ddp.py --core --out handout  # handout/ddp.py: the core alone (it trains), and a
+                                                          # gpt2.py of only what it uses; its docstring: the lesson
     python tests/exercise.py ddp.py --bug list           # the bug zoo: plausible bugs, each with its symptom
     python tests/exercise.py ddp.py --bug 2 --out zoo    # zoo/ddp.py with bug 2 planted: find it
 
@@ -652,7 +653,8 @@ def main(argv=None):
     p.add_argument("file", nargs="?", choices=sorted(EXERCISES), help="the technique file")
     p.add_argument("--out", help="directory for your copy (then: pytest --impl DIR)")
     p.add_argument("--list", action="store_true", help="print every file's exercises")
-    p.add_argument("--core", action="store_true", help="write the core alone (cut at the banner) and gpt2.py: the handout")
+    p.add_argument("--core", action="store_true", help="write the core alone (cut at the banner) and a gpt2.py of only "
+                                                       "what it uses: the handout")
     p.add_argument("--bug", help="N: write a copy with zoo bug N planted; list: list FILE's zoo (every file's without FILE)")
     p.add_argument("--check", action="store_true", help="for maintainers: the round trip of FILE (or every file) and "
                                                         "every zoo bug caught by its test")
