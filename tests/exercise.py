@@ -455,6 +455,7 @@ APPENDIX = "# ---- Appendix ----"
 # A handout's gpt2.py at most (issue 37 asks 900; gpt2.py's core is ~450 lines and the toolkit every core uses - run_main,
 # setup, make_parser, the checks, Metrics, Timeline - another ~600 with their blank lines, so 900 is not reached).
 LEAN_LINES = 1250
+LEAN_NOTE = "This handout's appendix"  # marks a gpt2.py written here (rewritten when another core joins it)
 LEAN_COMMANDS = ("train", "prepare", "sample")  # gpt2.py's commands a handout keeps, in this order, while they fit
 # What a handout leaves to the repository's gpt2.py: the name, replaced by a one-line refusal naming the flag.
 LEAN_STUBS = {"load_weights": ("--init-from", "weights (pretrained or a saved model.pt) are read by the repository's "
@@ -539,7 +540,7 @@ def lean_gpt2(source, cores):
                 'its flags)")\n'
                 '    run_main(commands[sys.argv[1]], sys.argv[2:])\n')
         head = "\n".join(lines[:cut]).rstrip("\n")
-        note = (f"{APPENDIX}\n# This handout's appendix: only what the cores beside it use (tests/exercise.py --core "
+        note = (f"{APPENDIX}\n# {LEAN_NOTE}: only what the cores beside it use (tests/exercise.py --core "
                 f"chose it); the\n# repository's gpt2.py has the rest (HF weights, FineWeb, HellaSwag, export, "
                 f"the profiler and timeline).")
         return head + "\n\n\n" + note + "\n\n\n" + "\n\n\n".join(chunks) + "\n\n\n" + main
@@ -694,6 +695,10 @@ def main(argv=None):
     dst = os.path.join(a.out, a.file)
     if os.path.exists(dst):
         sys.exit(f"error: {dst} exists (--out): your work is never overwritten; choose another directory")
+    mine = os.path.join(a.out, "gpt2.py")
+    if a.core and os.path.exists(mine) and LEAN_NOTE not in open(mine).read():
+        sys.exit(f"error: {mine} exists and is not a handout's (--out): your work is never overwritten; "
+                 f"choose another directory")
     with open(os.path.join(root, a.file)) as f:
         source = f.read()
     if a.bug is not None:
@@ -714,7 +719,7 @@ def main(argv=None):
                           and os.path.exists(os.path.join(a.out, f))]  # a second handout in DIR keeps what it uses
         with open(os.path.join(root, "gpt2.py")) as f:
             lean = lean_gpt2(f.read(), cores)
-        with open(os.path.join(a.out, "gpt2.py"), "w") as f:
+        with open(mine, "w") as f:  # a handout's own gpt2.py: rewritten for every core in DIR
             f.write(lean)
         data, have = os.path.join(a.out, COURSE_DATA), os.path.join(root, COURSE_DATA)
         if os.path.isdir(have) and not os.path.exists(data):
