@@ -56,16 +56,17 @@ def test_ddp_exercise_fails_reference_passes_bug_points_at_it(tmp_path):
 
 # The handout runs alone (issue 30) and shows its payoff (issue 37): each file cut at its banner, with a gpt2.py of
 # only what the cores use, trains under torchrun with its docstring's lesson flags (3 steps here) and prints the
-# same losses and the same closing lines (after the last `step N | ...` line; times and directories masked) as the
-# whole file with the same flags.
+# same losses and the same closing lines (after the last `step N | ...` line; numbers and directories masked) as
+# the whole file with the same flags.
 CORES = ["ddp.py", "fsdp2.py", "tensor_parallel.py", "pipeline.py", "moe_ep.py", "fp8.py", "muon.py", "checkpoint.py"]
 
 
 def closing_lines(printed, out):
     lines = printed.replace(out, "OUT").splitlines()
     last = max((i for i, line in enumerate(lines) if re.match(r"step\s+\d+ \|", line)), default=-1)
-    timed = r"\d+(\.\d+)?(e[-+]?\d+)? ?(ms|s|tok/s|x)\b"  # times, and ratios of times ("1.9x less")
-    return [re.sub(timed, "<time>", line) for line in lines[last + 1:]]
+    # numbers masked: many are measured times or figures made of them (a bubble, "1.9x less"); the losses are
+    # compared exactly above, so what this compares is that the core prints every closing line the file prints
+    return [re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", line) for line in lines[last + 1:]]
 
 
 def lesson_flags(name, handout, data, out):
