@@ -4,7 +4,8 @@
     # ... write them (each raises NotImplementedError("exercise N: what to write") until you do) ...
     python -m pytest -q --impl mine tests/test_ddp.py    # exactly the tests that check ours, on your copy
 
-    python tests/exercise.py ddp.py --core --out handout  # handout/ddp.py: the core alone (it trains), + gpt2.py
+    python tests/exercise.py ddp.py --core --out handout  # handout/ddp.py: the core alone (it trains), and a
+                                                          # gpt2.py of only what it uses; its docstring: the lesson
     python tests/exercise.py ddp.py --bug list           # the bug zoo: plausible bugs, each with its symptom
     python tests/exercise.py ddp.py --bug 2 --out zoo    # zoo/ddp.py with bug 2 planted: find it
 
@@ -16,6 +17,7 @@ shows every file's exercises. The functions to write are listed here, not marked
 import argparse
 import ast
 import os
+import re
 import sys
 
 # file -> [(function or Class.method, what to write)], in the order a reader meets them
@@ -471,6 +473,141 @@ def core_copy(source):
     return core + '\n\n\nif __name__ == "__main__":\n    gpt2.run_main(main)\n'
 
 
+COURSE_DATA = "data/shakespeare_char"  # the course data, relative to the repository and to a handout
+
+
+def lesson_command(name, source):
+    """The file's own lesson command from its docstring (the first `torchrun ... FILE` line, backslash lines joined,
+    its comment and [optional] parts cut), with --data COURSE_DATA and --steps 20 (a minute on 2 cores) when it names
+    none; a plain one if the docstring has none."""
+    doc = (ast.get_docstring(ast.parse(source)) or "").replace("\\\n", " ")
+    for line in doc.splitlines():
+        if "torchrun" in line and f" {name}" in line:
+            cmd = re.sub(r"\s*\[[^\]]*\]", "", line[line.index("torchrun"):].split(" (")[0].split(" #")[0]).split()
+            at = cmd.index(name) + 1
+            cmd[at:at] = ["--data", COURSE_DATA] * ("--data" not in cmd) + ["--steps", "20"] * ("--steps" not in cmd)
+            return " ".join(cmd)
+    return f"torchrun --nproc_per_node=2 {name} --data {COURSE_DATA} --steps 20 --out out/{name[:-3]}"
+
+
+def handout_copy(name, source):
+    """The core alone (core_copy) with a paragraph closing its docstring: what the handout is, and the lesson
+    command to run from its directory."""
+    text = core_copy(source)
+    doc = ast.parse(text).body[0]
+    assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant), f"{name}: no module docstring"
+    lines = text.splitlines(keepends=True)
+    last = lines[doc.end_lineno - 1]
+    quote = max(last.rfind('"""'), last.rfind("'''"))  # the docstring's closing quotes
+    note = (f"\nHandout (`python tests/exercise.py {name} --core --out DIR`): this core, cut at its banner, and a\n"
+            f"gpt2.py of only what it uses. From DIR, with the course data in DIR/{COURSE_DATA}:\n"
+            f"    {lesson_command(name, source)}\n")
+    head = last[:quote].rstrip()
+    lines[doc.end_lineno - 1] = (head + "\n" if head else "") + note + last[quote:]
+    return "".join(lines)
+
+
+APPENDIX = "# ---- Appendix ----"
+# A handout's gpt2.py at most (issue 37 asks 900; gpt2.py's core is ~450 lines and the toolkit every core uses - run_main,
+# setup, make_parser, the checks, Metrics, Timeline - another ~600 with their blank lines, so 900 is not reached).
+LEAN_LINES = 1250
+LEAN_NOTE = "This handout's appendix"  # marks a gpt2.py written here (rewritten when another core joins it)
+LEAN_COMMANDS = ("train", "prepare", "sample")  # gpt2.py's commands a handout keeps, in this order, while they fit
+# What a handout leaves to the repository's gpt2.py: the name, replaced by a one-line refusal naming the flag.
+LEAN_STUBS = {"load_weights": ("--init-from", "weights (pretrained or a saved model.pt) are read by the repository's "
+                                              "gpt2.py"),
+              "check_init_from": ("--init-from", "weights are read by the repository's gpt2.py"),
+              "prepare": ("--data", "pass --data DIR: this handout's gpt2.py prepares no data; the repository's "
+                                    "`python gpt2.py prepare shakespeare-char` does"),
+              "lock_dir": (None, "the repository's gpt2.py also locks --out against a second run")}
+
+
+def names_used(node):
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def names_defined(node):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return set()
+
+
+def is_main_block(node):
+    return isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+
+
+def gpt2_names_used(source):
+    """The names a technique file takes from gpt2: `gpt2.X` anywhere, `from gpt2 import X`."""
+    tree = ast.parse(source)
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == "gpt2"}
+    return used | {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "gpt2"
+                   for a in n.names}
+
+
+def lean_gpt2(source, cores):
+    """gpt2.py for a handout: its core whole, and of its appendix only the definitions that the core, the
+    technique cores (`cores`: their sources) and the kept commands reach, transitively (by the names they use);
+    the commands (train, then prepare and sample while the file stays within LEAN_LINES) in a new __main__."""
+    lines = source.splitlines()
+    banners = [i for i, line in enumerate(lines) if line.startswith(APPENDIX)]
+    assert len(banners) == 1, "gpt2.py needs one line that starts with '# ---- Appendix ----'"
+    cut = banners[0]  # 0-based index of the banner
+    tree = ast.parse(source)
+    core_nodes = [n for n in tree.body if n.lineno <= cut]
+    appendix = [n for n in tree.body if n.lineno > cut and not is_main_block(n)]
+    roots = set().union(*(names_used(n) for n in core_nodes), *(gpt2_names_used(c) for c in cores))
+    always = [n for n in appendix if not names_defined(n)]  # statements that define nothing: kept as they are
+
+    def closure(commands):
+        need, kept = roots | set(commands) | set().union(*map(names_used, always)), set()
+        while True:
+            new = [n for n in appendix if id(n) not in kept and (names_defined(n) & need or n in always)]
+            if not new:
+                return [n for n in appendix if id(n) in kept]
+            for n in new:
+                kept.add(id(n))
+                if not stubbed(n, commands):
+                    need |= names_used(n)
+
+    def stubbed(n, commands):
+        return isinstance(n, ast.FunctionDef) and n.name in LEAN_STUBS and n.name not in commands
+
+    def render(commands):
+        chunks = []
+        for n in closure(commands):
+            if stubbed(n, commands):
+                flag, todo = LEAN_STUBS[n.name]
+                body = f"fail(\"not in this handout's gpt2.py\", {flag!r}, {todo!r})" if flag else f"pass  # {todo}"
+                chunks.append(f"def {n.name}(*args, **kwargs):  # the repository's gpt2.py has the whole one\n"
+                              f"    {body}")
+                continue
+            first = min([n.lineno] + [d.lineno for d in getattr(n, "decorator_list", [])]) - 1
+            while first > 0 and lines[first - 1].startswith("#") and not lines[first - 1].startswith(APPENDIX):
+                first -= 1  # the comment right above it
+            chunks.append("\n".join(lines[first:n.end_lineno]))
+        main = ('if __name__ == "__main__":\n'
+                f'    commands = {{{", ".join(f"{c!r}: {c}" for c in commands)}}}\n'
+                '    if len(sys.argv) < 2 or sys.argv[1] not in commands:\n'
+                '        sys.exit(f"usage: python gpt2.py {{{\',\'.join(commands)}}} [flags]   (add -h to a command for '
+                'its flags)")\n'
+                '    run_main(commands[sys.argv[1]], sys.argv[2:])\n')
+        head = "\n".join(lines[:cut]).rstrip("\n")
+        note = (f"{APPENDIX}\n# {LEAN_NOTE}: only what the cores beside it use (tests/exercise.py --core "
+                f"chose it); the\n# repository's gpt2.py has the rest (HF weights, FineWeb, HellaSwag, export, "
+                f"the profiler and timeline).")
+        return head + "\n\n\n" + note + "\n\n\n" + "\n\n\n".join(chunks) + "\n\n\n" + main
+
+    commands = ["train"]
+    for extra in LEAN_COMMANDS[1:]:
+        if render(commands + [extra]).count("\n") <= LEAN_LINES:
+            commands.append(extra)
+    return render(commands)
+
+
 def plant(source, bug):
     """The source with one zoo bug planted."""
     name, original, buggy = bug[:3]
@@ -573,7 +710,8 @@ def main(argv=None):
     p.add_argument("file", nargs="?", choices=sorted(EXERCISES), help="the technique file")
     p.add_argument("--out", help="directory for your copy (then: pytest --impl DIR)")
     p.add_argument("--list", action="store_true", help="print every file's exercises")
-    p.add_argument("--core", action="store_true", help="write the core alone (cut at the banner) and gpt2.py: the handout")
+    p.add_argument("--core", action="store_true", help="write the core alone (cut at the banner) and a gpt2.py of only "
+                                                       "what it uses: the handout")
     p.add_argument("--bug", help="N: write a copy with zoo bug N planted; list: list FILE's zoo (every file's without FILE)")
     p.add_argument("--check", action="store_true", help="for maintainers: the round trip of FILE (or every file) and "
                                                         "every zoo bug caught by its test")
@@ -591,7 +729,11 @@ def main(argv=None):
                     print(f"{name} bug {n} ({bug_name}): {'caught' if caught else 'MISSED'}"
                           f"{'' if named or not caught else ', NOT NAMED'} | {line}", flush=True)
         sys.exit(1 if failed else 0)
-    if a.bug == "list" or (a.bug is None and (a.list or not a.file) and not a.core):
+    if not a.file and not a.list and a.bug != "list":  # --out, --core or --bug N act on one file
+        print("error: which file (FILE): give a technique file, e.g. `python tests/exercise.py ddp.py --out mine`; "
+              "--list shows every file's exercises", file=sys.stderr)
+        sys.exit(2)
+    if a.bug == "list" or (a.bug is None and a.list):
         if a.bug == "list":
             for f in [a.file] if a.file else BUGS:
                 for n, (bug_name, _, _, symptom, test, _) in enumerate(BUGS[f], 1):
@@ -602,8 +744,6 @@ def main(argv=None):
             for n, (dotted, what) in enumerate(items, 1):
                 print(f"  exercise {n}: {dotted}: {what}")
         return
-    if not a.file:
-        sys.exit("error: which file (FILE): give a technique file, e.g. ddp.py")
     if not a.out:
         sys.exit("error: where to write your copy (--out): give a directory, e.g. --out mine")
     if os.path.exists(a.out) and not os.path.isdir(a.out):
@@ -611,6 +751,10 @@ def main(argv=None):
     dst = os.path.join(a.out, a.file)
     if os.path.exists(dst):
         sys.exit(f"error: {dst} exists (--out): your work is never overwritten; choose another directory")
+    mine = os.path.join(a.out, "gpt2.py")
+    if a.core and os.path.exists(mine) and LEAN_NOTE not in open(mine).read():
+        sys.exit(f"error: {mine} exists and is not a handout's (--out): your work is never overwritten; "
+                 f"choose another directory")
     with open(os.path.join(root, a.file)) as f:
         source = f.read()
     if a.bug is not None:
@@ -619,7 +763,7 @@ def main(argv=None):
         text, what = plant(source, BUGS[a.file][int(a.bug) - 1]), f"bug {a.bug} planted (symptom: " \
             f"{BUGS[a.file][int(a.bug) - 1][3]})"
     elif a.core:
-        text, what = core_copy(source), "its core alone"
+        text, what = handout_copy(a.file, source), "its core alone"
     else:
         text, what = cut(source, EXERCISES[a.file]), f"{len(EXERCISES[a.file])} exercises"
     os.makedirs(a.out, exist_ok=True)
@@ -627,10 +771,21 @@ def main(argv=None):
         f.write(text)
     if a.core:
         import shutil
-        if not os.path.exists(os.path.join(a.out, "gpt2.py")):
-            shutil.copy(os.path.join(root, "gpt2.py"), os.path.join(a.out, "gpt2.py"))
-        print(f"wrote {dst} ({what}, {text.count(chr(10))} lines) and {a.out}/gpt2.py; run it with: "
-              f"torchrun --nproc_per_node=2 {dst}")
+        cores = [text] + [open(os.path.join(a.out, f)).read() for f in EXERCISES if f != a.file
+                          and os.path.exists(os.path.join(a.out, f))]  # a second handout in DIR keeps what it uses
+        with open(os.path.join(root, "gpt2.py")) as f:
+            lean = lean_gpt2(f.read(), cores)
+        with open(mine, "w") as f:  # a handout's own gpt2.py: rewritten for every core in DIR
+            f.write(lean)
+        data, have = os.path.join(a.out, COURSE_DATA), os.path.join(root, COURSE_DATA)
+        if os.path.isdir(have) and not os.path.exists(data):
+            shutil.copytree(have, data)
+        print(f"wrote {dst} ({what}, {text.count(chr(10))} lines) and {a.out}/gpt2.py ({lean.count(chr(10))} lines, "
+              f"what the core uses)")
+        if not os.path.isdir(data):
+            print(f"the lesson reads the course data; from the repository: python gpt2.py prepare shakespeare-char "
+                  f"--out {data}")
+        print(f"run it from {a.out}: {lesson_command(a.file, source)}")
         return
     print(f"wrote {dst} with {what}; test it with: python -m pytest -q --impl {a.out} tests/test_{a.file[:-3]}.py")
 
