@@ -355,17 +355,22 @@ BUGS = {
         ("the column's chunk scale left out of the promotion", "acc += partial * a_scales[:, k, None] * b_rows[None, :, k]",
          "acc += partial * a_scales[:, k, None]", "every fp8 output is off by the weight's scale (~1e-3): the loss "
          "barely moves", "fp8_matmul_vs_fp64", "fp8 GEMM vs fp64"),
-        ("wgrad re-cuts x with amax/448 scales", "quantize_1x128(x_hp.t(), pow2=True)", "quantize_1x128(x_hp.t())",
+        ("wgrad re-cuts x with amax/448 scales", "cls.tiles(x_hp.t(), pow2=True)", "cls.tiles(x_hp.t())",
          "training works, a little noisier: x is rounded twice on its way to wgrad", "pow2_scales_make_the_wgrad",
          "Fp8LinearFn's wgrad"),
         ("power-of-2 scales rounded down", "(bits + 0x007FFFFF) & 0x7F800000", "bits & 0x7F800000",
          "a tile's largest values exceed 448 and saturate", "pow2_scales_make_the_wgrad", "_pow2_up must round"),
-        ("no amax floor", "_pow2_up(amax.clamp(min=AMAX_FLOOR) / FP8_MAX) if pow2 else amax.clamp(min=AMAX_FLOOR) / FP8_MAX",
-         "_pow2_up(amax / FP8_MAX) if pow2 else amax / FP8_MAX", "NaN as soon as a tile is all zeros (0 / 0)",
-         "extreme_magnitudes", "AMAX_FLOOR"),
+        ("no amax floor", "scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX", "scale = amax / FP8_MAX",
+         "NaN as soon as a tile is all zeros (0 / 0)", "extreme_magnitudes", "AMAX_FLOOR"),
         ("the logged loss summed over the ranks", "    return t / world\n", "    return t\n",
          "2-rank runs log twice the loss of one process", "two_rank_training_fp8_vs_baseline",
          "train loss, fp8.py --fp8 off 2 ranks"),
+        ("--naive read but not applied", "Linear = NaiveFp8Linear if args.naive else Fp8Linear",
+         "Linear = Fp8Linear", "the handout's --naive trains with tiles: its loss looks like any fp8 run's",
+         "every_documented_flag", "the flag is read but not applied"),
+        ("the naive version scales per tile", "    tiles = staticmethod(quantize_tensorwise)\n",
+         "    tiles = staticmethod(quantize_1x128)\n", "--naive trains fine: only an outlier would show it",
+         "scales_alone", "must take one scale per tensor for x and dy"),
     ],
 
     "muon.py": [
@@ -392,6 +397,11 @@ BUGS = {
          "flags_reach_muon", "match_rms_adamw"),
         ("AdamW gradients summed", "    flat /= world\n", "",
          "2 ranks log twice the loss of 1 rank", "curve_two_ranks", "train loss, muon.py 2 ranks"),
+        ("--ns-steps ignored", "ns_steps=args.ns_steps", "ns_steps=5",
+         "every run takes 5 Newton-Schulz steps, whatever the flag says", "flags_reach_muon", "--ns-steps"),
+        ("Newton-Schulz in bf16 whatever the run", "ns_dtype=ctx.dtype", "ns_dtype=torch.bfloat16",
+         "fp32 runs on a GPU no longer equal the CPU's: the update carries bf16 rounding",
+         "runs_dtype", "make_muon must pass the run's dtype"),
     ],
 
     "checkpoint.py": [
