@@ -147,6 +147,9 @@ class DataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def make_optimizer(self, params, make):  # make(params) builds it (ZeRO's wrappers shard it)
+        return make(params)
+
     @contextlib.contextmanager
     def no_sync(self):  # averaging is linear: one reduction of the micro-steps' sum, 1/k the bytes
         self.sync = False
@@ -791,7 +794,7 @@ def make_ddp_beyond(args, model, meter, timeline):
     ddp = Wrapper(model, args.bucket_mb, meter, timeline)
     groups = gpt2.optimizer_groups(model, args.weight_decay)
     adamw = lambda g: gpt2.make_adamw(g, args, next(model.parameters()).device)  # noqa: E731
-    return ddp, ddp.make_optimizer(groups, adamw) if args.zero else adamw(groups)
+    return ddp, ddp.make_optimizer(groups, adamw)
 
 
 def cli(argv=None):
