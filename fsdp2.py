@@ -32,7 +32,6 @@ prints gpt2.py train --batch-size 8's losses, then the payoff (--naive: 3.37 MB 
     step    19 | loss 3.2129 | norm 1.6188 | lr 1.00e-03 | ...
     peak gathered weights/rank: 1.78 MB (FullyShardedModel) | --naive (the model): 3.37 MB = 1.89x
 """
-import functools
 import math
 import os
 
@@ -604,6 +603,7 @@ def check(args):
 def classes(args):
     """The sharded model's class for the flags (plain FSDP: the core's FullyShardedModel), as a callable
     Model(module, units, meter=, timeline=): the extensions combined by inheritance, the arguments bound."""
+    from functools import partial
     bases = [RecomputingModel] * args.activation_checkpointing \
         + [KeepGatheredModel] * (not args.reshard_after_forward) + [HybridShardedModel] * (args.replicate > 1)
     Model = bases[0] if len(bases) == 1 else FullyShardedModel
@@ -612,7 +612,7 @@ def classes(args):
     kw = {"param_dtype": torch.bfloat16} if args.mp_policy == "bf16-gather" else {}
     if args.replicate > 1:
         kw["replicate"] = args.replicate
-    return functools.partial(Model, **kw) if kw else Model
+    return partial(Model, **kw) if kw else Model
 
 
 def cli(argv=None):
