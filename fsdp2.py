@@ -32,7 +32,6 @@ prints gpt2.py train --batch-size 8's losses, then the payoff (--naive: 3.37 MB 
     step    19 | loss 3.2129 | norm 1.6188 | lr 1.00e-03 | ...
     peak gathered weights/rank: 1.78 MB (FullyShardedModel) | --naive (the model): 3.37 MB = 1.89x
 """
-import functools
 import math
 import os
 
@@ -361,13 +360,6 @@ def train(args, Model=FullyShardedModel):
             metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             fsdp.train()
             meter.take_mb()  # the evaluation's gathers are not part of a training step
-    # the payoff: what --naive gathers (the whole model, fp32) against this run's measured peak
-    naive_mb = sum(s.numel() for s in fsdp.parameters()) * dist.get_world_size(fsdp.group) * 4 / 1e6
-    peak = fsdp.peak_gathered_mb
-    gpt2.print0(f"peak gathered weights/rank: {peak:.2f} MB ({type(fsdp).__name__}) | --naive (the "
-                f"model): {naive_mb:.2f} MB = {naive_mb / peak:.2f}x")
-    metrics.log_summary({"peak_gathered_mb": peak, "naive_gathered_mb": naive_mb,
-                         "gathered_x_less": naive_mb / peak})
     metrics.plot()
     timeline.save(os.path.join(args.out, "timeline.png"), "fsdp2.py, one step: unit k's forward / "
                   "backward (upper bars), gather / reduce-scatter, issue to completion (lower); "
@@ -375,8 +367,21 @@ def train(args, Model=FullyShardedModel):
     return fsdp, opt, metrics
 
 
+def payoff(fsdp, metrics):
+    """The lesson's closing line: what --naive gathers (the whole model, fp32) against this run's
+    measured peak; the same figures as OUT/metrics.jsonl's summary record."""
+    naive_mb = sum(s.numel() for s in fsdp.parameters()) * dist.get_world_size(fsdp.group) * 4 / 1e6
+    peak = fsdp.peak_gathered_mb
+    gpt2.print0(f"peak gathered weights/rank: {peak:.2f} MB ({type(fsdp).__name__}) | --naive (the "
+                f"model): {naive_mb:.2f} MB = {naive_mb / peak:.2f}x")
+    metrics.log_summary({"peak_gathered_mb": peak, "naive_gathered_mb": naive_mb,
+                         "gathered_x_less": naive_mb / peak})
+
+
 def main(argv=None):
-    return train(make_parser().parse_args(argv))
+    fsdp, opt, metrics = train(make_parser().parse_args(argv))
+    payoff(fsdp, metrics)
+    return fsdp, opt, metrics
 
 
 # ---- Beyond the core ----
@@ -546,23 +551,24 @@ def activation_mb(loss_fn, fsdp):
     return sum(seen.values()) / 1e6
 
 
-def report(fsdp, opt, args, step_comm_mb):
-    """Rank 0's persistent bytes against 16 bytes x params / S, the peak formula (beside the measured peak on
-    CUDA), and the first step's measured traffic against its formula."""
-    p_mb, g_mb, o_mb = persistent_mb(fsdp, opt)
+def report(fsdp, args):
+    """Before the first step: rank 0's persistent bytes (its slices; their fp32 gradients and AdamW's m and v
+    are the slices' size) against 16 bytes x params / S, the peak formula, and the traffic formula (each step's
+    line prints the measured traffic; the closing line is the core's)."""
+    p_mb = sum(s.numel() * s.element_size() for s in fsdp.parameters()) / 1e6
     f, n = memory_formula(fsdp), dist.get_world_size()
     s = n // getattr(fsdp, "replicas", 1)
     n_total = sum(math.prod(shape) for u in fsdp.all_units for shape in u.shapes)
     ddp = 2 * (n - 1) / n * 4 * n_total / 1e6  # per micro-step (with no_sync DDP sends it once per step)
-    gpt2.print0(f"memory/rank: params {p_mb:.2f} + grads {g_mb:.2f} + adam {o_mb:.2f} = {p_mb + g_mb + o_mb:.2f} MB "
+    gpt2.print0(f"memory/rank: params {p_mb:.2f} + grads {p_mb:.2f} + adam {2 * p_mb:.2f} = {4 * p_mb:.2f} MB "
                 f"(theory 16 x {n_total / 1e6:.2f}M / {s} = {16 * n_total / s / 1e6:.2f} MB)")
     gpt2.print0(f"peak memory/rank formula: persistent {f['persistent']:.2f} + gathered {f['gathered']:.2f} + full grads "
                 f"{f['full_grads']:.2f} + fp32 reduce buffers {f['reduce_buffers']:.2f} = {f['peak']:.2f} MB + activations")
     mode = "SHARD_GRAD_OP" if isinstance(fsdp, KeepGatheredModel) else "ZeRO-3"
     hsdp = f", HSDP {n // s} replicas x {s} shards" if n // s > 1 else ""
-    gpt2.print0(f"comm/step: {step_comm_mb:.2f} MB measured | {comm_formula_mb(fsdp, args.grad_accum, n):.2f} MB theory "
-                f"({mode}{hsdp}, root gathered once per micro-step) | DDP all-reduce {ddp:.2f} MB per micro-step -> "
-                f"{comm_formula_mb(fsdp, 1, n) / ddp:.2f}x DDP")
+    gpt2.print0(f"comm/step theory: {comm_formula_mb(fsdp, args.grad_accum, n):.2f} MB ({mode}{hsdp}, root gathered "
+                f"once per micro-step; measured: each step's comm) | DDP all-reduce {ddp:.2f} MB per micro-step -> "
+                f"{comm_formula_mb(fsdp, 1, n) / ddp:.2f}x DDP | {args.out}/model.pt written at the end")
 
 
 def add_flags(p):
@@ -604,6 +610,7 @@ def check(args):
 def classes(args):
     """The sharded model's class for the flags (plain FSDP: the core's FullyShardedModel), as a callable
     Model(module, units, meter=, timeline=): the extensions combined by inheritance, the arguments bound."""
+    from functools import partial
     bases = [RecomputingModel] * args.activation_checkpointing \
         + [KeepGatheredModel] * (not args.reshard_after_forward) + [HybridShardedModel] * (args.replicate > 1)
     Model = bases[0] if len(bases) == 1 else FullyShardedModel
@@ -612,21 +619,26 @@ def classes(args):
     kw = {"param_dtype": torch.bfloat16} if args.mp_policy == "bf16-gather" else {}
     if args.replicate > 1:
         kw["replicate"] = args.replicate
-    return functools.partial(Model, **kw) if kw else Model
+    return partial(Model, **kw) if kw else Model
 
 
 def cli(argv=None):
-    """The full command line: the core's train() with the classes the flags pick, then the report and model.pt."""
+    """The full command line: the core's train() with the classes the flags pick (their formulas printed
+    first), model.pt, then the core's closing line."""
     args = add_flags(make_parser()).parse_args(argv)
     check(args)
-    fsdp, opt, metrics = train(args, classes(args))
-    if not args.naive:
-        report(fsdp, opt, args, next(r["comm_mb"] for r in metrics.records if "loss" in r))
+    Model = classes(args)
+
+    def build(*a, **kw):  # the model the flags pick, its formulas printed before the first step
+        fsdp = Model(*a, **kw)
+        report(fsdp, args)
+        return fsdp
+    fsdp, opt, metrics = train(args, build)
     gpt2.check_finite_weights(fsdp.parameters(), args.steps - 1)  # every rank its slices, before any write
     state = full_state_dict(fsdp)
     if dist.get_rank() == 0:
         gpt2.save_model(os.path.join(args.out, "model.pt"), fsdp.module.config, state)
-    gpt2.print0(f"saved {args.out}/model.pt")
+    payoff(fsdp, metrics)  # the core's closing line, the last, as the handout prints it
     return fsdp, opt
 
 

@@ -204,8 +204,9 @@ BUGS = {
          "gradients_after_one_step_and", "is each unit freed"),
         ("gradients reduced in param_dtype", "dtype=torch.float32, device=self.device)",
          "dtype=self.param_dtype, device=self.device)",
-         "fp32 runs are right; with param_dtype=bfloat16 the gradients are summed in bf16 and the slices' .grad "
-         "is bf16 (fully_shard's reduce_dtype=float32 sums in fp32)", "param_dtype", "keep and reduce in fp32"),
+         "fp32 runs are right; with param_dtype=float16 the gradients are summed in fp16 (fully_shard's "
+         "reduce_dtype=float32 sums in fp32) and torch refuses them as the fp32 slices' .grad", "param_dtype",
+         "attempting to assign a gradient with dtype"),
         ("HSDP's replica all-reduce waited at once", "            self.pending_ar = (unit, work, out)\n",
          "            self.pending_ar = (unit, work, out)\n            self.wait_all_reduce()\n",
          "every gradient and curve is right, but the compute stream waits out each unit's inter-node all-reduce",
