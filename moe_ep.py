@@ -458,7 +458,7 @@ def make_parser():
     a = p.add_argument
     a("--naive", action="store_true", help="all-gather the tokens, every rank runs its experts on "
       "all of them, reduce-scatter the outputs (no routing-dependent exchange)")
-    a("--ep", type=int, default=0, help="expert-parallel size: the experts are split over groups "
+    a("--ep", type=int, default=None, help="expert-parallel size: the experts are split over groups "
       "of this many ranks (default: all ranks)")
     a("--experts", type=int, default=4, help="routed experts per MoE layer (each one GPT-2's MLP)")
     a("--top-k", type=int, default=2, help="experts per token")
@@ -472,7 +472,7 @@ def make_parser():
 def check_args(args, world):
     """Every mistake found before the first collective, so it is an error message and not a hang."""
     gpt2.check_args(args)
-    args.ep = args.ep or world  # default: the experts spread over every rank
+    args.ep = world if args.ep is None else args.ep  # default: the experts spread over every rank
     gpt2.check_range(args.ep, "--ep", 1, todo="give a positive integer")
     if args.experts % args.ep:
         gpt2.fail(f"{args.experts} experts do not split evenly over {args.ep} ranks",
