@@ -1,31 +1,37 @@
 """
-fp8.py - GPT-2's block Linears in fp8 with one scale per tile (DeepSeek-V3 section 3.3), data parallel.
+fp8.py - GPT-2's block Linears in fp8, one scale per tile (DeepSeek-V3 section 3.3), data parallel.
 
-fp8 e4m3 keeps 3 mantissa bits and magnitudes 2^-9..448: a tensor is divided by a scale before the cast. With
-one scale per tensor (the naive version, --naive) one outlier pushes every other value into the subnormals.
-DeepSeek-V3 gives every 1x128 tile of an activation or gradient and every 128x128 block of a weight its own
-scale (amax/448); the GEMM promotes each 128-wide K chunk's fp8 partial sum to fp32 with its two scales. The
-master weights, AdamW, embeddings, LayerNorm, attention and the head stay in high precision.
+fp8 e4m3 keeps 3 mantissa bits and magnitudes 2^-9..448: a tensor is divided by a scale before
+the cast. The naive version (--naive) takes one scale per tensor: one outlier pushes every other
+value into the subnormals. DeepSeek-V3 gives every 1x128 tile of an activation or gradient and
+every 128x128 block of a weight its own scale (amax/448); the GEMM promotes each 128-wide K chunk's
+fp8 partial sum to fp32 with its two scales. That is the one difference between the two versions.
+The master weights, AdamW, embeddings, LayerNorm, attention and the head stay in high precision.
 
-    forward  y  = x @ W^T    x: 1x128 tiles along K         W: 128x128 blocks of the fp32 master
-    dgrad    dx = dy @ W     dy: 1x128 tiles along N        W^T: the same blocks, transposed
-    wgrad    dW = dy^T @ x   dy^T, x^T: 1x128 tiles along the tokens (x re-cut from its saved fp8 copy)
+    forward  y  = x @ W^T    x: 1x128 tiles along K     W: 128x128 blocks of the fp32 master
+    dgrad    dx = dy @ W     dy: 1x128 tiles along N    W^T: the same blocks, transposed
+    wgrad    dW = dy^T @ x   dy^T, x^T: 1x128 tiles along the tokens (x re-cut from its saved fp8)
       for k in K/128 chunks:   acc(fp32) += (x_fp8[:,k] @ W_fp8[:,k]^T) * sx[:,k] * sW[:,k]
                                              \\_ tensor core, fp8 _/      \\_ promotion to fp32 _/
 
 Who sums what (n data-parallel ranks, each holding the whole model):
-    p.grad, every parameter   all_reduce_grads: SUM over the n ranks (one flat fp32 bucket), then / n: the MEAN
+    p.grad, every parameter   all_reduce_grads: SUM over the n ranks (one flat fp32 bucket), / n
     --grad-accum k            each micro-batch's loss / k before backward: p.grad sums to their mean
-    dW of an fp8 Linear       summed over the step's tokens inside the GEMM, in fp32 (never rounded to bf16)
+    dW of an fp8 Linear       summed over the step's tokens inside the GEMM, in fp32
     the logged loss           global_mean: SUM over the ranks / n
-    the clip norm             each rank's own, after the all-reduce (the gradients are equal on every rank)
+    the clip norm             each rank's own, after the all-reduce (equal on every rank)
 
-The core's GEMM is an exact emulation (the same fp8 values and scales, fp32 sums, any device); Beyond the core:
-cuBLAS's block-scaled torch._scaled_mm on a GPU (cli picks it), MXFP8 and NVFP4 (--format).
-    python fp8.py demo     # one outlier channel: one scale per tensor vs 1x128 tiles
-    torchrun --nproc_per_node=2 fp8.py --fp8 off --device cpu --steps 60 --seq-len 64 --out out/fp8_off
-    torchrun --nproc_per_node=2 fp8.py --device cpu --steps 60 --seq-len 64 --out out/fp8_on --compare-with out/fp8_off
-Read first: quantize_1x128, fp8_matmul, Fp8LinearFn, all_reduce_grads, train. Closed forms: end of file.
+The core's GEMM is an exact emulation (the same fp8 values and scales, fp32 sums, any device).
+The run ends with the payoff: block 0's c_attn GEMM error vs fp32, one scale per tensor vs tiles,
+as trained and with one token made a x1e5 outlier (a "massive activation"): there tiles win.
+Beyond the core: cuBLAS's block-scaled torch._scaled_mm (cli picks it on a GPU), MXFP8 and NVFP4
+(--format), --compare-with a --fp8 off run.
+    torchrun --nproc_per_node=2 fp8.py --steps 30 --data data/shakespeare_char --out out/fp8
+    torchrun --nproc_per_node=2 fp8.py --steps 30 --data data/shakespeare_char --out out/n --naive
+prints the losses, then (the figures of the first command, 2 idle cores, ~30 s):
+    fp8 GEMM error vs fp32, block 0's c_attn: one scale per tensor 3.58%, tiles 3.55%
+    ... token 0 x1e5, the other tokens: one scale per tensor 41.20%, tiles 3.55%
+Read first: quantize_tensorwise, quantize_1x128, fp8_matmul, Fp8LinearFn, train. Closed forms: end.
 """
 import functools
 import os
@@ -41,26 +47,28 @@ from gpt2 import print0
 FP8 = torch.float8_e4m3fn  # 1 sign, 4 exponent, 3 mantissa bits; no inf; largest finite 448
 FP8_MAX = torch.finfo(FP8).max  # 448.0
 TILE = 128  # DeepSeek-V3's tile: 1x128 for activations/gradients, 128x128 for weights
-# The smallest amax a tile is scaled from (scale = fp32's smallest normal): tiny tiles keep subnormals to 2^-135
+# The smallest amax a tile is scaled from (scale = fp32's smallest normal): subnormals to 2^-135
 AMAX_FLOOR = torch.finfo(torch.float32).tiny * FP8_MAX
+OUTLIER = 1e5  # the payoff's massive activation: one token's values times this
 
 
 def _pow2_up(scale):
-    """Round up to a power of 2: add 'all mantissa bits set' to the bits, clear the mantissa (section 3.3.3)."""
+    """Round up to a power of 2: add 'all mantissa bits set', clear the mantissa (section 3.3.3)."""
     bits = scale.contiguous().view(torch.int32)
     return ((bits + 0x007FFFFF) & 0x7F800000).view(torch.float32)
 
 
 def _scale_from_amax(amax, pow2):
-    return _pow2_up(amax.clamp(min=AMAX_FLOOR) / FP8_MAX) if pow2 else amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+    scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+    return _pow2_up(scale) if pow2 else scale
 
 
-def _to_fp8(x, scale):  # x / scale may round to 448.0001, and out-of-range casts give NaN on some builds
+def _to_fp8(x, scale):  # x / scale can round to 448.0001; some builds cast that to NaN
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def _pad_to_tile(x, dims):
-    """Zero-pad the given dims of a 2-D tensor up to a multiple of 128 (zeros add nothing to a matmul)."""
+    """Zero-pad the given dims of a 2-D tensor to a multiple of 128 (zeros add nothing to GEMMs)."""
     pad = [0, 0, 0, 0]  # F.pad order: (last dim left, right, first dim left, right)
     for d in dims:
         pad[3 - 2 * d] = -x.size(d) % TILE
@@ -69,45 +77,24 @@ def _pad_to_tile(x, dims):
 
 def dequantize_1x128(x_fp8, scales, shape=None):
     M, Kp = x_fp8.shape
-    x = (x_fp8.float().view(M, Kp // TILE, TILE) * scales[..., None]).view(M, Kp)  # (M, Kp/128, 128) -> (M, Kp)
+    x = (x_fp8.float().view(M, Kp // TILE, TILE) * scales[..., None]).view(M, Kp)  # (M, Kp)
     return x if shape is None else x[: shape[0], : shape[1]]
 
 
-# ---- The naive version (--naive): one scale per tensor, an fp32 GEMM on the dequantized values ----
-def quantize_tensorwise(x):
-    """One scale for the whole tensor, amax/448 (returned as 1x128 scales, all equal, for fp8_matmul)."""
-    xp = _pad_to_tile(x.float(), dims=[1])
-    scale = _scale_from_amax(xp.abs().amax(), pow2=False)
-    return _to_fp8(xp, scale), scale.expand(xp.size(0), xp.size(1) // TILE).contiguous()
+# ---- The naive version (--naive): one scale per tensor ----
+def quantize_tensorwise(x, pow2=False, blocks=False):
+    """One scale for the whole tensor, amax/448, handed to the GEMM as tile scales, all equal:
+    (M, Kp/128) as quantize_1x128's, or (Np/128, Kp/128) with blocks, as quantize_128x128's."""
+    xp = _pad_to_tile(x.float(), dims=[0, 1] if blocks else [1])
+    scale = _scale_from_amax(xp.abs().amax(), pow2)
+    rows = xp.size(0) // TILE if blocks else xp.size(0)
+    return _to_fp8(xp, scale), scale.expand(rows, xp.size(1) // TILE).contiguous()
 
 
-class NaiveFp8LinearFn(torch.autograd.Function):
-    """x, W and dy each in e4m3 with one scale per tensor (an outlier coarsens all of x), an fp32 GEMM."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        dev = x.device.type
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        with torch.autocast(dev, enabled=False):
-            x2 = x.reshape(-1, weight.size(1))  # (B*T, K)
-            xq, wq = (dequantize_1x128(*quantize_tensorwise(t), t.shape) for t in (x2, weight))  # fp32 values
-            ctx.save_for_backward(xq, wq)  # fp32 copies: the naive version does not save memory either
-            ctx.meta = x.shape, x.dtype, weight.dtype
-            return (xq @ wq.t()).to(out_dtype).reshape(*x.shape[:-1], -1)  # (B, T, N)
-
-    @staticmethod
-    def backward(ctx, dy):
-        (xq, wq), (x_shape, x_dtype, w_dtype) = ctx.saved_tensors, ctx.meta
-        with torch.autocast(dy.device.type, enabled=False):
-            dy2 = dy.reshape(-1, wq.size(0))  # (B*T, N)
-            dyq = dequantize_1x128(*quantize_tensorwise(dy2), dy2.shape)
-            return (dyq @ wq).reshape(x_shape).to(x_dtype), (dyq.t() @ xq).to(w_dtype)
-
-
-# ---- The real version: a scale per 1x128 tile / 128x128 block, the GEMM promoted to fp32 per 128-wide chunk ----
+# ---- The real version: a scale per 1x128 tile / 128x128 block ----
 def quantize_1x128(x, pow2=False):
-    """x (M, K) -> x_fp8 (M, Kp) e4m3, row-major even for a transposed x (cuBLAS's first operand must be), and
-    scales (M, Kp/128) fp32; Kp = K padded to 128. An outlier spoils only its own tile. pow2: powers of 2."""
+    """x (M, K) -> x_fp8 (M, Kp) e4m3, row-major even for a transposed x (cuBLAS's first operand
+    must be), and scales (M, Kp/128) fp32; Kp = K padded to 128. An outlier spoils only its tile."""
     M, _ = x.shape
     tiles = _pad_to_tile(x.float(), dims=[1]).contiguous().view(M, -1, TILE)  # (M, Kp/128, 128)
     scales = _scale_from_amax(tiles.abs().amax(dim=-1, keepdim=True), pow2)
@@ -115,7 +102,7 @@ def quantize_1x128(x, pow2=False):
 
 
 def quantize_128x128(w, pow2=False):
-    """w (N, K) -> w_fp8 (Np, Kp), scales (Np/128, Kp/128); square blocks: backward reuses them transposed."""
+    """w (N, K) -> w_fp8 (Np, Kp), scales (Np/128, Kp/128); backward reuses them transposed."""
     blocks = _pad_to_tile(w.float(), dims=[0, 1])
     Np, Kp = blocks.shape
     blocks = blocks.view(Np // TILE, TILE, Kp // TILE, TILE)  # (N/128, 128, K/128, 128)
@@ -123,24 +110,29 @@ def quantize_128x128(w, pow2=False):
     return _to_fp8(blocks, scales).view(Np, Kp), scales[:, 0, :, 0]
 
 
-@torch._disable_dynamo  # an opaque GEMM call, like cuBLAS's; inductor (torch 2.13, CPU) miscompiled it
+@torch.compiler.disable  # opaque, like cuBLAS's GEMM; inductor (torch 2.13, CPU) miscompiled it
 def fp8_matmul(a_fp8, a_scales, b_fp8, b_scales, out_dtype=torch.float32):
-    """a @ b^T for a (M, K) in 1x128 tiles, b (N, K) in 1x128 tiles (scales (N, K/128)) or 128x128 blocks (scales
-    (ceil(N/128), K/128)), K padded to 128, emulated: e4m3 products are exact in fp32; each chunk's 128 are summed
-    in fp32 (the tensor core keeps ~14 bits: an upper bound on its accuracy), then scaled and accumulated in fp32."""
+    """a @ b^T for a (M, K) in 1x128 tiles, b (N, K) in 1x128 tiles (scales (N, K/128)) or 128x128
+    blocks (scales (ceil(N/128), K/128)), K padded to 128, emulated: e4m3 products are exact in
+    fp32; each chunk's 128 are summed in fp32 (the tensor core keeps ~14 bits: an upper bound on its
+    accuracy), then scaled and accumulated in fp32."""
     (M, K), N = a_fp8.shape, b_fp8.size(0)
-    b_rows = b_scales if b_scales.size(0) == N else b_scales.repeat_interleave(TILE, dim=0)[:N]  # (N, K/128)
+    b_rows = b_scales
+    if b_scales.size(0) != N:  # 128x128 blocks: each block's scale repeated over its 128 rows
+        b_rows = b_scales.repeat_interleave(TILE, dim=0)[:N]  # (N, K/128)
     acc = torch.zeros(M, N, dtype=torch.float32, device=a_fp8.device)
     for k in range(K // TILE):
         cols = slice(k * TILE, (k + 1) * TILE)
-        partial = a_fp8[:, cols].float() @ b_fp8[:, cols].float().t()  # the unscaled fp8 chunk product
+        partial = a_fp8[:, cols].float() @ b_fp8[:, cols].float().t()  # the unscaled chunk product
         acc += partial * a_scales[:, k, None] * b_rows[None, :, k]
     return acc.to(out_dtype)
 
 
 class Fp8LinearFn(torch.autograd.Function):
-    """y = x @ W^T, x in 1x128 tiles (power-of-2 scales), W in 128x128 blocks; saves the fp8 x and W. forward
-    and backward are classmethods calling cls.gemm, so a subclass swaps the GEMM (Beyond the core: cuBLAS)."""
+    """y = x @ W^T, x in 1x128 tiles (power-of-2 scales), W in 128x128 blocks; saves fp8 x and W.
+    The class names its quantizers (tiles, blocks) and its GEMM: the naive version swaps the
+    quantizers, Beyond the core swaps the GEMM (cuBLAS)."""
+    tiles, blocks = staticmethod(quantize_1x128), staticmethod(quantize_128x128)
     gemm = staticmethod(fp8_matmul)
 
     @classmethod
@@ -148,10 +140,10 @@ class Fp8LinearFn(torch.autograd.Function):
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         N, K = weight.shape
-        with torch.autocast(dev, enabled=False):  # the promotion must stay fp32, whatever autocast says
-            x2 = x.reshape(-1, K)  # (B*T, K)
-            x_fp8, x_scales = quantize_1x128(x2, pow2=True)
-            w_fp8, w_scales = quantize_128x128(weight)
+        with torch.autocast(dev, enabled=False):  # the promotion stays fp32, whatever autocast says
+            x2 = x.reshape(-1, K)  # (B*T, C)
+            x_fp8, x_scales = cls.tiles(x2, pow2=True)
+            w_fp8, w_scales = cls.blocks(weight)
             y = cls.gemm(x_fp8, x_scales, w_fp8, w_scales, out_dtype)[:, :N]  # (B*T, N)
         ctx.save_for_backward(x_fp8, x_scales, w_fp8, w_scales)
         ctx.shapes, ctx.dtypes = (x.shape, x2.shape, weight.shape), (x.dtype, weight.dtype)
@@ -163,34 +155,41 @@ class Fp8LinearFn(torch.autograd.Function):
         x_shape, x2_shape, (N, K) = ctx.shapes
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.reshape(-1, N)  # (B*T, N)
-            # dgrad contracts over N: dy in 1x128 tiles along N, W^T = the forward's blocks transposed
-            dy_fp8, dy_scales = quantize_1x128(dy2)
-            dx = cls.gemm(dy_fp8, dy_scales, w_fp8.t(), w_scales.t(), dy.dtype)[:, :K]  # (B*T, K)
-            # wgrad contracts over the tokens: both operands re-cut into 1x128 tiles along the tokens; x from
-            # its saved fp8 copy (section 3.5.2). Power-of-2 scales make both steps exponent shifts: 0.0002% of
-            # values change (99.2% with amax/448; test_pow2_scales_make_the_wgrad_recut_lossless)
-            x_hp = dequantize_1x128(x_fp8, x_scales, x2_shape)  # (B*T, K) fp32
-            xt_fp8, xt_scales = quantize_1x128(x_hp.t(), pow2=True)  # (K, B*T)
-            dyt_fp8, dyt_scales = quantize_1x128(dy2.t())  # (N, B*T)
+            # dgrad contracts over N: dy in 1x128 tiles along N; W^T: forward's blocks transposed
+            dy_fp8, dy_scales = cls.tiles(dy2)
+            dx = cls.gemm(dy_fp8, dy_scales, w_fp8.t(), w_scales.t(), dy.dtype)[:, :K]  # (B*T, C)
+            # wgrad contracts over the tokens: both operands re-cut into 1x128 tiles along the
+            # tokens, x from its saved fp8 copy (section 3.5.2). Power-of-2 scales make both steps
+            # exponent shifts: 0.0002% of values change (99.2% with amax/448; tests: pow2_scales)
+            x_hp = dequantize_1x128(x_fp8, x_scales, x2_shape)  # (B*T, C) fp32
+            xt_fp8, xt_scales = cls.tiles(x_hp.t(), pow2=True)  # (C, B*T)
+            dyt_fp8, dyt_scales = cls.tiles(dy2.t())  # (N, B*T)
             # dW leaves the fp32 accumulator unrounded: the master weights are fp32
-            dw = cls.gemm(dyt_fp8, dyt_scales, xt_fp8, xt_scales, torch.float32)  # (N, K)
+            dw = cls.gemm(dyt_fp8, dyt_scales, xt_fp8, xt_scales, torch.float32)  # (N, C)
         x_dtype, w_dtype = ctx.dtypes
         return dx.reshape(x_shape).to(x_dtype), dw.to(w_dtype)
 
 
+class NaiveFp8LinearFn(Fp8LinearFn):
+    """The naive version: the same three GEMMs, every scale the whole tensor's amax/448."""
+    tiles = staticmethod(quantize_tensorwise)
+    blocks = staticmethod(functools.partial(quantize_tensorwise, blocks=True))
+
+
 class Fp8Linear(nn.Linear):
-    """A drop-in nn.Linear (same parameters, same state_dict) whose three matmuls run in fp8 tiles."""
+    """A drop-in nn.Linear (same parameters and state_dict) whose three matmuls run in fp8 tiles."""
     Function = Fp8LinearFn
 
     def forward(self, x):
         y = self.Function.apply(x, self.weight)
-        # the bias outside the Function, in the output's dtype: autograd sums its gradient in high precision
+        # the bias outside the Function, in the output's dtype: autograd sums its gradient in fp32
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
-        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
-        new.weight, new.bias = linear.weight, linear.bias  # share the fp32 master parameters, no re-init
+        bias = linear.bias is not None
+        new = cls(linear.in_features, linear.out_features, bias=bias, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias  # share the fp32 master parameters
         return new
 
 
@@ -202,13 +201,14 @@ def convert_to_fp8(model: gpt2.GPT, Linear=Fp8Linear):
     """Swap the four Linears of every block for Linear.from_linear(linear); embeddings, LayerNorms,
     attention's softmax and the tied head stay in high precision (DeepSeek-V3 section 3.3)."""
     for block in model.h:
-        for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
+        for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"),
+                             (block.mlp, "c_fc"), (block.mlp, "c_proj")):
             setattr(parent, name, Linear.from_linear(getattr(parent, name)))
     return model
 
 
 def all_reduce_grads(params, world, comm: gpt2.CommMeter):
-    """Sum every rank's gradients in one flat fp32 bucket, / world: the gradient of the global batch mean."""
+    """Sum every rank's gradients in one flat fp32 bucket, / world: the global mean's gradient."""
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
@@ -226,21 +226,34 @@ def global_mean(t, world, comm: gpt2.CommMeter):
     return t / world
 
 
+def gemm_error(x, w, quantize_x, quantize_w, rows):
+    """Relative error of the fp8 GEMM x @ w^T against fp32 over the given rows of the output."""
+    ref = x[rows] @ w.t()  # (rows, N)
+    y = fp8_matmul(*quantize_x(x), *quantize_w(w))[rows, : w.size(0)]
+    return ((y - ref).norm() / ref.norm()).item()
+
+
 @torch.no_grad()
-def tiles_vs_tensorwise(model, idx):
-    """What tiles buy, measured on this run: block 0's c_attn on a batch (token ids idx), GEMM error vs fp32."""
+def tiles_vs_one_scale(model, idx):
+    """The payoff, on this run's weights and a batch (token ids idx): block 0's c_attn GEMM error vs
+    fp32, one scale per tensor vs tiles; then with token 0 times OUTLIER, over the other tokens."""
     lin = model.h[0].attn.c_attn
     x = model.h[0].ln_1(model.embed(idx)).reshape(-1, lin.in_features).float()  # (B*T, C)
-    ref = x @ lin.weight.float().t()  # (B*T, 3C)
-    errs = [((fp8_matmul(*qx(x), *qw(lin.weight))[:, : ref.size(1)] - ref).norm() / ref.norm()).item()
-            for qx, qw in ((quantize_tensorwise, quantize_tensorwise), (quantize_1x128, quantize_128x128))]
-    return f"fp8 GEMM error vs fp32, block 0's c_attn: one scale per tensor {100 * errs[0]:.2f}%, tiles {100 * errs[1]:.2f}%"
+    w = lin.weight.float()  # (3C, C)
+    big = x.clone()
+    big[0] *= OUTLIER  # a massive activation (Sun et al. 2024): one token, every channel
+    one = functools.partial(quantize_tensorwise, blocks=True)
+    figures = {}
+    for name, xs, rows in (("", x, slice(None)), ("outlier_", big, slice(1, None))):
+        figures[name + "gemm_err_one_scale"] = gemm_error(xs, w, quantize_tensorwise, one, rows)
+        figures[name + "gemm_err_tiles"] = gemm_error(xs, w, quantize_1x128, quantize_128x128, rows)
+    return figures
 
 
 def make_parser():
-    p = gpt2.make_parser("GPT-2 with tile-scaled fp8 Linear layers (DeepSeek-V3 section 3.3), data parallel.")
-    p.add_argument("--fp8", default="on", choices=["on", "off"], help="off: the identical run without fp8")
-    p.add_argument("--naive", action="store_true", help="one scale per tensor instead of 1x128 / 128x128 tiles")
+    p = gpt2.make_parser("GPT-2 with tile-scaled fp8 Linears (DeepSeek-V3 3.3), data parallel.")
+    p.add_argument("--fp8", default="on", choices=["on", "off"], help="off: the run without fp8")
+    p.add_argument("--naive", action="store_true", help="one scale per tensor instead of tiles")
     return p
 
 
@@ -259,8 +272,8 @@ def train(args, to_fp8=convert_to_fp8):
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
     metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), tokens_per_step)
     profiler, comm = gpt2.Profiler(args, ctx), gpt2.CommMeter()
-    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {world} rank(s) | "
-           f"device {ctx.device} {ctx.dtype} | fp8 {args.fp8}{' (naive)' if args.naive else ''}")
+    print0(f"model {args.model}: {model.num_params() / 1e6:.2f}M non-embedding params | {world} "
+           f"rank(s) | device {ctx.device} {ctx.dtype} | fp8 {args.fp8}{' (naive)' * args.naive}")
 
     def loss_fn(x, y):
         with ctx.autocast():
@@ -274,27 +287,44 @@ def train(args, to_fp8=convert_to_fp8):
         if world > 1:
             all_reduce_grads(params, world, comm)
             loss_sum = global_mean(loss_sum, world, comm)
-        if args.grad_clip > 0:  # the grads are now identical on every rank: the local norm is the global one
-            gpt2.clip_grad_norm_(params, args.grad_clip)
+        # the grads are now equal on every rank: the local norm is the global one
+        if args.grad_clip > 0:
+            norm = gpt2.clip_grad_norm_(params, args.grad_clip)
+        else:
+            norm = gpt2.grad_norm(params)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss_val = loss_sum.item()
+        loss_val, norm_val = torch.stack([loss_sum, norm]).tolist()  # the step's one host sync
         gpt2.check_finite(loss_val, step)
-        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb())
+        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb(), grad_norm=norm_val)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             model.eval()
             metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
-    if args.fp8 == "on":
-        print0(tiles_vs_tensorwise(model, train_loader.next_batch()[0].to(ctx.device)))
+    figures = tiles_vs_one_scale(model, train_loader.next_batch()[0].to(ctx.device))
+    print0(f"fp8 GEMM error vs fp32, block 0's c_attn: one scale per tensor "
+           f"{100 * figures['gemm_err_one_scale']:.2f}%, "
+           f"tiles {100 * figures['gemm_err_tiles']:.2f}%")
+    print0(f"... token 0 x{OUTLIER:,.0f}, the other tokens: one scale per tensor "
+           f"{100 * figures['outlier_gemm_err_one_scale']:.2f}%, "
+           f"tiles {100 * figures['outlier_gemm_err_tiles']:.2f}%")
+    metrics.log_summary(figures)
     metrics.plot()
     return metrics.records
 
 
+def check_flags(args):
+    """Before the first collective, on every rank: a bad flag fails every rank in one line."""
+    if args.naive and args.fp8 == "off":
+        gpt2.fail("--naive with --fp8 off: no Linear runs in fp8", "--naive", "drop one of them")
+    gpt2.check_args(args)
+
+
 def main(argv=None):
     args = make_parser().parse_args(argv)
-    gpt2.check_args(args)  # before the first collective: a bad flag fails every rank, none hangs
-    return train(args, functools.partial(convert_to_fp8, Linear=NaiveFp8Linear) if args.naive else convert_to_fp8)
+    check_flags(args)
+    Linear = NaiveFp8Linear if args.naive else Fp8Linear
+    return train(args, functools.partial(convert_to_fp8, Linear=Linear))
 
 
 # ---- Beyond the core ----
@@ -306,7 +336,8 @@ def main(argv=None):
 #               tile scales are plain row scales; bf16 partials summed in fp32 by us (K/128 GEMMs, slower).
 #    emulated   the core's fp8_matmul (any device).
 #    gemm_path picks one from (capability, CUDA version, torch version) and says why in one line; a path that
-#    raises is left for the next one, with one line (never a silent whole-run fallback).
+#    raises for one GEMM kind (forward, dgrad, wgrad) is left for the next one for that kind only, with one
+#    line (never a silent whole-run fallback).
 
 GEMM_PATHS = ("blockwise", "rowwise", "emulated")
 
@@ -370,7 +401,15 @@ def rowwise_chunks_mm(a_fp8, a_scales, b_fp8, b_scales, out_dtype):
     return acc.to(out_dtype)
 
 
-_gemm = {"path": None, "checked": set()}  # the path this process runs; the kinds of blockwise call verified
+_gemm = {"chosen": None, "path": {}, "checked": set()}  # gemm_path's pick; each kind's path; verified
+
+
+def gemm_kind(b_fp8, b_scales):
+    """Which of Fp8LinearFn's three GEMMs a call is, told by its b: wgrad's b is in 1x128 tiles (one
+    scale per row), dgrad's is the forward's weight blocks transposed (a view), forward's the blocks."""
+    if b_scales.size(0) == b_fp8.size(0):
+        return "wgrad"
+    return "forward" if b_fp8.is_contiguous() else "dgrad"
 
 
 def check_fp8_operands(a_fp8, a_scales, b_fp8, b_scales):
@@ -382,34 +421,37 @@ def check_fp8_operands(a_fp8, a_scales, b_fp8, b_scales):
         raise ValueError(f"scales {tuple(a_scales.shape)}, {tuple(b_scales.shape)} do not fit 1x128 / 128x128 tiles")
 
 
-@torch._disable_dynamo  # a try/except around a kernel choice is eager-mode code
+@torch.compiler.disable  # a try/except around a kernel choice is eager-mode code
 def cuda_fp8_matmul(a_fp8, a_scales, b_fp8, b_scales, out_dtype=torch.float32):
-    """fp8_matmul on the path gemm_path chose (printed once); a path that raises, or whose first result of a
-    kind differs from the emulation by 1e-2 or more, is replaced by the next one, with one printed line."""
+    """fp8_matmul on the path gemm_path chose (printed once). Each GEMM kind (forward, dgrad, wgrad: their
+    operand layouts differ) keeps its own path: a path that raises for a kind, or whose first result of that
+    kind differs from the emulation by 1e-2 or more, gives way to the next path for that kind only, with
+    one printed line; the other kinds keep theirs."""
     check_fp8_operands(a_fp8, a_scales, b_fp8, b_scales)
-    if _gemm["path"] is None:
+    if _gemm["chosen"] is None:
         cap = torch.cuda.get_device_capability(a_fp8.device) if a_fp8.is_cuda else None
-        _gemm["path"], why = gemm_path(cap, torch.version.cuda, torch.__version__)
-        print0(f"fp8 GEMM: {_gemm['path']} ({why})")
+        _gemm["chosen"], why = gemm_path(cap, torch.version.cuda, torch.__version__)
+        print0(f"fp8 GEMM: {_gemm['chosen']} ({why})")
+    kind = gemm_kind(b_fp8, b_scales)
     while True:
-        path = _gemm["path"]
+        path = _gemm["path"].setdefault(kind, _gemm["chosen"])
         gemm = {"blockwise": block_scaled_mm, "rowwise": rowwise_chunks_mm, "emulated": fp8_matmul}[path]
         try:
             out = gemm(a_fp8, a_scales, b_fp8, b_scales, out_dtype)
-            kind = (out_dtype, b_scales.size(0) == b_fp8.size(0))
-            if path == "emulated" or kind in _gemm["checked"]:
+            if path == "emulated" or (kind, path) in _gemm["checked"]:
                 return out
             ref = fp8_matmul(a_fp8, a_scales, b_fp8, b_scales)
             err = ((out.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()  # once per kind: one sync
             if err >= 1e-2:
                 raise RuntimeError(f"{err:.1e} from the emulation")
-            _gemm["checked"].add(kind)
+            _gemm["checked"].add((kind, path))
             return out
         except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
             if path == "emulated":
                 raise  # the reference itself: a bug, its traceback
-            _gemm["path"] = GEMM_PATHS[GEMM_PATHS.index(path) + 1]
-            print0(f"fp8 GEMM: {path} failed ({str(e).strip().splitlines()[0][:120]}); using {_gemm['path']}")
+            _gemm["path"][kind] = GEMM_PATHS[GEMM_PATHS.index(path) + 1]
+            print0(f"fp8 GEMM {kind}: {path} failed ({str(e).strip().splitlines()[0][:120]}); using "
+                   f"{_gemm['path'][kind]} for {kind}, the other kinds keep theirs")
 
 
 class CublasFp8LinearFn(Fp8LinearFn):
@@ -635,24 +677,7 @@ def convert_to_block_format(model: gpt2.GPT, fmt, recipe=()):
 # References: DeepSeek-V3 technical report (arXiv 2412.19437) sections 3.3 and 3.5.2; Micikevicius et al. 2022,
 # "FP8 formats for deep learning"; DeepSeek's DeepGEMM; PyTorch's torch._scaled_mm (ScaledBlas.cpp); OCP
 # Microscaling Formats v1.0 (MXFP8); NVIDIA, "Pretraining LLMs with NVFP4" (arXiv 2509.25149) section 4.
-# Below: the demo, the extension flags and their checks, the comparison with a baseline run, and cli.
-
-
-def demo():
-    """python fp8.py demo: one outlier channel in x (tokens, channels); error of the other channels after e4m3
-    and back, one scale per tensor vs per 1x128 tile (the outlier's own tiles lose: 127 of 1023 channels)."""
-    torch.manual_seed(0)
-    rows = {}
-    print("outlier channel x  | fp8, one scale per tensor | fp8, 1x128 tiles | bf16 (no scale)")
-    for outlier in (1.0, 1e2, 1e4, 1e5):
-        x = torch.randn(1024, 1024)
-        x[:, 7] *= outlier
-        rest = torch.arange(1024) != 7
-        errs = [((back[:, rest] - x[:, rest]).norm() / x[:, rest].norm()).item() for back in (
-            dequantize_1x128(*quantize_tensorwise(x)), dequantize_1x128(*quantize_1x128(x)), x.bfloat16().float())]
-        rows[outlier] = errs
-        print(f"{outlier:18.0e} | {100 * errs[0]:24.2f}% | {100 * errs[1]:15.2f}% | {100 * errs[2]:14.2f}%")
-    return rows
+# Below: the extension flags and their checks, the comparison with a baseline run, and cli.
 
 
 def dequantize_128x128(w_fp8, scales, shape=None):
@@ -701,15 +726,20 @@ def check_format(args):
     """--format / --nvfp4-recipe, checked before any collective; returns the recipe as a tuple."""
     if args.nvfp4_recipe is not None and args.format != "nvfp4":
         gpt2.fail(f"--nvfp4-recipe with --format {args.format}", "--nvfp4-recipe", "add --format nvfp4 or drop it")
+    if args.fp8 == "off" and args.format != "deepseek":
+        gpt2.fail(f"--format {args.format} with --fp8 off: no Linear is quantized", "--format", "drop one of them")
     if args.format != "nvfp4":
         return ()
-    if args.nvfp4_recipe is None:
-        return NVFP4_RECIPE
-    items = () if args.nvfp4_recipe == "none" else tuple(args.nvfp4_recipe.split(","))
+    items = NVFP4_RECIPE
+    if args.nvfp4_recipe is not None:
+        items = () if args.nvfp4_recipe == "none" else tuple(args.nvfp4_recipe.split(","))
     bad = [i for i in items if i not in NVFP4_RECIPE]
     if bad:
         gpt2.fail(f"unknown --nvfp4-recipe item {bad[0]!r}", "--nvfp4-recipe",
                   f"give a comma-separated subset of {','.join(NVFP4_RECIPE)}, or none")
+    if "last" in items and gpt2.model_config(args).n_layer == 1:  # the one block stays high precision
+        gpt2.fail("--format nvfp4 with one block: 'last' keeps it in high precision, nothing runs in nvfp4",
+                  "--nvfp4-recipe", "use --n-layer 2 or more, or a recipe without last (e.g. hadamard,sr)")
     return items
 
 
@@ -773,16 +803,11 @@ def compare_with_baseline(args, records, baseline):
 
 
 def cli(argv=None):
-    """The whole file: `demo`, or the core's loop with the Linear class the flags pick (the core's own with no
+    """The whole file: the core's loop with the Linear class the flags pick (the core's own with no
     extension flag, CublasFp8Linear on a GPU, BlockScaledLinear for --format), then --compare-with."""
-    import sys
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["demo"]:
-        demo()
-        return None
     args = add_extension_flags(make_parser()).parse_args(argv)
-    gpt2.check_args(args)  # every check before the first collective: a bad flag fails every rank, none hangs
-    to_fp8, what = choose_to_fp8(args)
+    to_fp8, what = choose_to_fp8(args)  # every check before the first collective: none hangs
+    check_flags(args)
     baseline = read_baseline(args)
     if args.fp8 == "on":
         print0(f"fp8: {what}")

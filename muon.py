@@ -1,32 +1,38 @@
 """
-muon.py - Muon on the matrices inside the blocks, AdamW on the rest (embeddings, head, biases, LayerNorm),
-data parallel, each matrix's Newton-Schulz done by ONE owner rank.
+muon.py - Muon on the matrices inside the blocks, AdamW on the rest (embeddings, head, biases,
+LayerNorm), data parallel, each matrix's Newton-Schulz done by ONE owner rank.
 
 The update of one block matrix W (rows x cols), per step (Jordan et al. 2024; torch.optim.Muon):
     g = mean over ranks of dL/dW, times the global clip coefficient
-    M = beta M + (1 - beta) g                 momentum (EMA form), kept by W's owner only
-    u = (1 - beta) g + beta M                 Nesterov look-ahead (--no-nesterov: u = M)
-    O = NS5(u) ~ U V^T for u = U S V^T        5 Newton-Schulz steps: every singular value -> about 1,
-                                              so rare directions learn as fast as dominant ones
-    W = (1 - lr wd) W - lr s O                s = sqrt(max(1, rows/cols)), or --muon-scale match_rms_adamw
-NS needs the WHOLE matrix: we cut data parallelism's all-reduce in its halves, and in between one owner
-holds each whole matrix (owners balance the NS FLOPs, largest first):
+    M = beta M + (1 - beta) g          momentum (EMA form), kept by W's owner only
+    u = (1 - beta) g + beta M          Nesterov look-ahead (--no-nesterov: u = M)
+    O = NS5(u) ~ U V^T for u = U S V^T 5 Newton-Schulz steps: every singular value -> about 1,
+                                       so rare directions learn as fast as dominant ones
+    W = (1 - lr wd) W - lr s O         s = sqrt(max(1, rows/cols)), or match_rms_adamw
+NS needs the WHOLE matrix: we cut data parallelism's all-reduce in its halves, and in between one
+owner holds each whole matrix (owners balance the NS FLOPs, largest first):
 
-    rank 0 grads [c_attn.0 | c_proj.1 | c_fc.0]       rank 1 grads [c_attn.0 | c_proj.1 | c_fc.0]
-         '---------- reduce-scatter (SUM), then / N: slab r goes to owner r ----------'
-    rank 0 owns c_attn.0, c_proj.1: mean g,           rank 1 owns c_fc.0: mean g,
-           momentum, NS5, update                             momentum, NS5, update
-         '---------- all-gather of the slabs: every rank holds every matrix again -----'
+    rank 0 grads [c_attn.0 | c_proj.1 | c_fc.0]    rank 1 grads [c_attn.0 | c_proj.1 | c_fc.0]
+         '-------- reduce-scatter (SUM), then / N: slab r goes to owner r --------'
+    rank 0 owns c_attn.0, c_proj.1: mean g,        rank 1 owns c_fc.0: mean g,
+           momentum, NS5, update                          momentum, NS5, update
+         '-------- all-gather of the slabs: every rank holds every matrix again ---'
 
 Who sums what (N data-parallel ranks)
-    Muon gradients     reduce-scatter SUM over N, then / N on the owner: the MEAN     Muon.reduce_grads
-    AdamW gradients    one flat all-reduce SUM over N (+ the loss), then / N          all_reduce_grads
-    clip norm          owners' squared norms all-reduced (each matrix once) + the     Muon.grad_sq_norm
-                       replicated AdamW part: ||g|| of the whole model, as on one rank
-    --naive            every Muon gradient all-reduced, / N; every rank runs NS on every matrix
-Owners send an all-reduce's bytes (2(N-1)/N x S, + slab padding) and save compute: each rank runs NS on
-~1/N of the matrices; the run prints NS GFLOP per step on rank 0 and for every matrix (what --naive runs).
-
+    Muon gradients   reduce-scatter SUM over N, then / N on the owner: the MEAN   Muon.reduce_grads
+    AdamW gradients  one flat all-reduce SUM over N (+ the loss), then / N        all_reduce_grads
+    clip norm        owners' squared norms all-reduced (each matrix once) + the   Muon.grad_sq_norm
+                     replicated AdamW part: ||g|| of the whole model, as on one rank
+    --naive          every Muon gradient all-reduced, / N; every rank runs NS on every matrix
+Owners send an all-reduce's bytes (2(N-1)/N x S, + slab padding) and save compute: each rank runs NS
+on ~1/N of the matrices. Newton-Schulz runs in the run's dtype (fp32 with --dtype float32: exact).
+The run ends with the payoff: NS GFLOP per step on rank 0 vs every matrix (what --naive runs on
+every rank), and the stable rank of one matrix's momentum u and of its update NS5(u): a few
+directions carry u, nearly all carry NS5(u).
+    torchrun --nproc_per_node=2 muon.py --steps 30 --data data/shakespeare_char --out out/muon
+prints the losses, then (2 idle cores, ~30 s):
+    saved out/muon | Newton-Schulz per step: ... GFLOP on rank 0, ... for every matrix (...)
+    Muon's update of h.0.mlp.c_fc.weight: stable rank ... for the momentum u, ... for NS5(u), ...
 Read first: Muon.reduce_grads, Muon.update, Muon.all_gather_params, train. References: the appendix.
 """
 import argparse
@@ -40,50 +46,58 @@ import torch.distributed as dist
 import gpt2
 from gpt2 import all_gather_single, print0, reduce_scatter_single
 
-# Jordan's quintic s -> a s + b s^3 + c s^5: 5 fp32 steps take singular values in [2e-3, 1] into [0.68, 1.21].
+# Jordan's quintic s -> a s + b s^3 + c s^5: 5 fp32 steps take singular values in [2e-3, 1] into
+# [0.68, 1.21].
 QUINTIC = (3.4445, -4.7750, 2.0315)
 
 
 def newton_schulz(G, steps=5, dtype=None, coefficients=None, eps=1e-7):
-    """About U V^T for G = U S V^T, (..., rows, cols), returned in G's dtype; bf16 on CUDA (tensor cores; the
-    iteration corrects its own rounding), fp32 elsewhere. coefficients: (a, b, c) per step, default QUINTIC."""
+    """About U V^T for G = U S V^T, (..., rows, cols), returned in G's dtype; computed in dtype, by
+    default bf16 on CUDA (tensor cores; the iteration corrects its own rounding), fp32 elsewhere.
+    coefficients: (a, b, c) per step, default QUINTIC."""
     dtype = dtype or (torch.bfloat16 if G.is_cuda else torch.float32)
     X = G.to(dtype).reshape(-1, *G.shape[-2:])  # (k, rows, cols)
-    tall = G.size(-2) > G.size(-1)  # work in the wide orientation: the Gram matrix X X^T is the small one
+    tall = G.size(-2) > G.size(-1)  # the wide orientation: the Gram matrix X X^T is the small one
     X = X.mT if tall else X  # (k, min, max)
-    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # ||X||_2 <= ||X||_F: singular values in [0, 1]
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # ||X||_2 <= ||X||_F: s in [0, 1]
     for a, b, c in coefficients or [QUINTIC] * steps:
         A = X @ X.mT
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2, one fused kernel
-        X = torch.baddbmm(X, B, X, beta=a)  # (a + b XX^T + c (XX^T)^2) X: odd polynomial in the singular values
+        X = torch.baddbmm(X, B, X, beta=a)  # (a + b XX^T + c (XX^T)^2) X: odd in the values s
     return (X.mT if tall else X).reshape(G.shape).to(G.dtype)
 
 
 def muon_update(grad, momentum, beta=0.95, nesterov=True, parts=1, orthogonalize=newton_schulz):
-    """Muon's direction for one matrix, before its scale: the momentum updated in place (EMA form: NS removes
-    the scale), the Nesterov look-ahead, orthogonalised as `parts` stacked row blocks (q, k, v: 3 maps)."""
+    """Muon's direction for one matrix, before its scale: the momentum updated in place (EMA form:
+    NS removes the scale), the Nesterov look-ahead, orthogonalised as `parts` stacked row blocks
+    (q, k, v: 3 maps)."""
     momentum.lerp_(grad, 1 - beta)
     u = grad.lerp(momentum, beta) if nesterov else momentum
-    return orthogonalize(u.view(parts, grad.size(0) // parts, grad.size(1))).view_as(grad)  # (parts, rows, cols)
+    rows = grad.size(0) // parts
+    return orthogonalize(u.view(parts, rows, grad.size(1))).view_as(grad)  # (parts, rows, cols)
 
 
 def update_scale(rows, cols, mode):
-    """Step multiplier of an orthogonalised update (entries of RMS 1/sqrt(max(rows, cols))): 'original' (Jordan)
-    keeps tall matrices from being under-stepped; 'match_rms_adamw' (Moonlight 2.2) gives AdamW's RMS 0.2."""
+    """Step multiplier of an orthogonalised update (entries of RMS 1/sqrt(max(rows, cols))):
+    'original' (Jordan) keeps tall matrices from being under-stepped; 'match_rms_adamw' (Moonlight
+    2.2) gives AdamW's RMS 0.2."""
     if mode not in ("original", "match_rms_adamw"):
         raise ValueError(f"unknown Muon scale {mode!r}: use original or match_rms_adamw")
-    return math.sqrt(max(1.0, rows / cols)) if mode == "original" else 0.2 * math.sqrt(max(rows, cols))
+    if mode == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols))
 
 
 def ns_flops(shape, parts=1):
-    """Matmul FLOPs of one NS step on `parts` row blocks (m = min, n = max side): X X^T 2m^2n, A A 2m^3, B X 2m^2n."""
+    """Matmul FLOPs of one NS step on `parts` row blocks (m = min, n = max side): X X^T 2m^2n,
+    A A 2m^3, B X 2m^2n."""
     m, n = sorted((shape[0] // parts, shape[1]))
     return parts * (4 * m * m * n + 2 * m ** 3)
 
 
 def assign_owners(costs, world):
-    """Each matrix to one rank, balancing Newton-Schulz work: largest first to the least-loaded rank (Graham's
-    LPT rule, within 4/3 of the best split). Deterministic: every rank computes the same owners."""
+    """Each matrix to one rank, balancing Newton-Schulz work: largest first to the least-loaded rank
+    (Graham's LPT rule, within 4/3 of the best split). Deterministic: every rank gets the same."""
     load, owner = [0] * world, [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         r = min(range(world), key=lambda r: (load[r], r))
@@ -91,7 +105,7 @@ def assign_owners(costs, world):
     return owner
 
 
-def all_reduce(t, comm, op=dist.ReduceOp.SUM):  # each collective counts its bytes here (gpt2.CommMeter, ring)
+def all_reduce(t, comm, op=dist.ReduceOp.SUM):  # each collective counts its bytes (ring)
     dist.all_reduce(t, op=op)
     comm.all_reduce(t.numel() * t.element_size(), dist.get_world_size())
 
@@ -106,8 +120,9 @@ def all_gather(out, inp, comm):
     comm.all_gather(out.numel() * out.element_size(), dist.get_world_size())
 
 
-# The naive version (--naive): every rank all-reduces every gradient, then runs one-rank Muon (world=1, below)
-# on EVERY matrix itself: the same bytes as the owners' reduce-scatter + all-gather, N x their Newton-Schulz.
+# The naive version (--naive): every rank all-reduces every gradient, then runs one-rank Muon
+# (world=1, below) on EVERY matrix itself: the same bytes as the owners' reduce-scatter +
+# all-gather, N x their Newton-Schulz.
 def naive_all_reduce(params, world, comm):
     for p in params:  # one all-reduce per matrix: SUM over the ranks, then / N = the mean gradient
         all_reduce(p.grad, comm)
@@ -115,34 +130,42 @@ def naive_all_reduce(params, world, comm):
 
 
 class Muon:
-    """The real version: each matrix updated by one owner rank (world = 1: plain Muon); parts[i] = 3: three
-    stacked row blocks. Per step: reduce_grads(), grad_sq_norm() (clip), step(lr, clip), all_gather_params()."""
+    """The real version: each matrix updated by one owner rank (world = 1: plain Muon); parts[i]
+    = 3: three stacked row blocks. Per step: reduce_grads(), grad_sq_norm() (clip), step(lr,
+    clip), all_gather_params()."""
 
-    def __init__(self, params, parts=None, lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5,
-                 scale="original", ns_dtype=None, rank=0, world=1, comm=None):
+    def __init__(self, params, parts=None, lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True,
+                 ns_steps=5, scale="original", ns_dtype=None, rank=0, world=1, comm=None):
         self.params = list(params)
         self.parts = list(parts or [1] * len(self.params))
-        self.lr, self.weight_decay, self.momentum, self.nesterov, self.ns_steps = lr, weight_decay, momentum, nesterov, ns_steps
-        self.scale, self.ns_dtype, self.rank, self.world, self.comm = scale, ns_dtype, rank, world, comm or gpt2.CommMeter()
-        # One flat buffer of `world` equal slabs; slab r holds rank r's matrices back to back, padded to the
-        # largest share, so one reduce-scatter brings the gradients in and one all-gather the matrices out.
-        self.owner = assign_owners([ns_flops(p.shape, k) for p, k in zip(self.params, self.parts)], world)
+        self.lr, self.weight_decay, self.momentum = lr, weight_decay, momentum
+        self.nesterov, self.ns_steps, self.scale = nesterov, ns_steps, scale
+        self.ns_dtype = ns_dtype
+        self.rank, self.world, self.comm = rank, world, comm or gpt2.CommMeter()
+        # One flat buffer of `world` equal slabs; slab r holds rank r's matrices back to back,
+        # padded to the largest share: one reduce-scatter brings the gradients in, one
+        # all-gather the matrices out.
+        costs = [ns_flops(p.shape, k) for p, k in zip(self.params, self.parts)]
+        self.owner = assign_owners(costs, world)
         used, self.offset = [0] * world, []
         for p, r in zip(self.params, self.owner):
             self.offset.append(used[r])
             used[r] += p.numel()
         self.slab = max(used) if self.params else 0
         self.mine = [i for i, r in enumerate(self.owner) if r == rank]
-        self.flat = torch.zeros(world * self.slab, device=self.params[0].device)  # (N x slab,) fp32: grads in, params out
-        self.own = self.flat[:self.slab] if world == 1 else torch.zeros_like(self.flat[:self.slab])  # (slab,): mine
-        self.momentum_buf = {i: torch.zeros_like(self.params[i]) for i in self.mine}  # owned matrices only
+        dev = self.params[0].device
+        self.flat = torch.zeros(world * self.slab, device=dev)  # (N x slab,) grads in, params out
+        own = self.flat[:self.slab] if world == 1 else torch.zeros_like(self.flat[:self.slab])
+        self.own = own  # (slab,): this rank's matrices
+        self.momentum_buf = {i: torch.zeros_like(self.params[i]) for i in self.mine}  # owned only
         self.stats, self.flops = {}, 0  # numbers the loop logs; Newton-Schulz FLOPs this rank ran
 
-    def _view(self, buf, i, base=0):  # matrix i in a buffer of slabs (base: its owner's slab's start)
-        return buf[base + self.offset[i]: base + self.offset[i] + self.params[i].numel()].view_as(self.params[i])
+    def _view(self, buf, i, base=0):  # matrix i in a buffer of slabs (base: its owner's slab start)
+        start = base + self.offset[i]
+        return buf[start: start + self.params[i].numel()].view_as(self.params[i])
 
     def reduce_grads(self):
-        """Reduce-scatter: each owner ends up with the MEAN gradient of its matrices (SUM over ranks, / N)."""
+        """Reduce-scatter: each owner ends with the MEAN gradient of its matrices (SUM, / N)."""
         for i, p in enumerate(self.params):
             self._view(self.flat, i, self.owner[i] * self.slab).copy_(p.grad)
         if self.world > 1 and self.slab:
@@ -150,8 +173,9 @@ class Muon:
             self.own /= self.world
 
     def grad_sq_norm(self):
-        """||g||^2 over every Muon matrix: each owner's sum of squares, all-reduced (each matrix counted once)."""
-        sq = sum((self._view(self.own, i).float().square().sum() for i in self.mine), self.own.new_zeros(()))
+        """||g||^2 over every Muon matrix: each owner's sum of squares, all-reduced (each once)."""
+        squares = (self._view(self.own, i).float().square().sum() for i in self.mine)
+        sq = sum(squares, self.own.new_zeros(()))
         if self.world > 1:
             all_reduce(sq, self.comm)
         return sq
@@ -160,22 +184,24 @@ class Muon:
         return newton_schulz(u, self.ns_steps, self.ns_dtype)
 
     def update(self, i, lr, clip_coef):
-        """One owned matrix: p <- (1 - lr wd) p - lr x scale x O (decoupled weight decay, as torch.optim.Muon)."""
+        """One owned matrix: p <- (1 - lr wd) p - lr x scale x O (decoupled weight decay)."""
         p, g, k = self.params[i], self._view(self.own, i).mul_(clip_coef), self.parts[i]
-        o = muon_update(g, self.momentum_buf[i], self.momentum, self.nesterov, k, self.orthogonalize)
-        p.mul_(1 - lr * self.weight_decay).add_(o, alpha=-lr * update_scale(p.size(0) // k, p.size(1), self.scale))
+        m = self.momentum_buf[i]
+        o = muon_update(g, m, self.momentum, self.nesterov, k, self.orthogonalize)
+        scale = update_scale(p.size(0) // k, p.size(1), self.scale)
+        p.mul_(1 - lr * self.weight_decay).add_(o, alpha=-lr * scale)
         self.flops += self.ns_steps * ns_flops(p.shape, k)
 
     @torch.no_grad()
     def step(self, lr, clip_coef=1.0):
-        """The owners' half: update each matrix this rank owns (the others wait for all_gather_params)."""
+        """The owners' half: update each owned matrix (the others wait for all_gather_params)."""
         for i in self.mine:
             self.update(i, lr, clip_coef)
         self.stats = {"muon_lr": lr, "momentum": self.momentum}
 
     @torch.no_grad()
     def all_gather_params(self):
-        """Every rank receives every updated matrix from its owner (its slab), and copies the others' in."""
+        """Every rank receives every updated matrix from its owner (its slab), copies others in."""
         if self.world == 1 or not self.slab:
             return
         for i in self.mine:
@@ -187,10 +213,11 @@ class Muon:
 
 
 def all_reduce_grads(params, loss_sum, world, comm):
-    """Average the AdamW parameters' gradients and the step's loss over ranks in one flat all-reduce."""
+    """Average the AdamW parameters' gradients and the step's loss over ranks in one all-reduce."""
     if world == 1:
         return loss_sum
-    flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss_sum.reshape(1).float()])  # (n_adamw + 1,)
+    grads = [p.grad.reshape(-1) for p in params]
+    flat = torch.cat(grads + [loss_sum.reshape(1).float()])  # (n_adamw + 1,)
     all_reduce(flat, comm)
     flat /= world
     for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
@@ -199,32 +226,62 @@ def all_reduce_grads(params, loss_sum, world, comm):
 
 
 def split_params(model, optimizer):
-    """(Muon's block matrices, their parts: 3 for c_attn's q, k, v as modded-nanogpt, the AdamW parameters)."""
-    named = [(n, p) for b in model.h for n, p in b.named_parameters() if p.dim() == 2] if optimizer == "muon" else []
-    ids, parts = {id(p) for _, p in named}, [3 if n == "attn.c_attn.weight" else 1 for n, _ in named]
-    return [p for _, p in named], parts, [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
+    """(Muon's block matrices, their parts: 3 for c_attn's q, k, v as modded-nanogpt, the AdamW
+    parameters)."""
+    named = []
+    if optimizer == "muon":
+        named = [(n, p) for b in model.h for n, p in b.named_parameters() if p.dim() == 2]
+    ids = {id(p) for _, p in named}
+    parts = [3 if n == "attn.c_attn.weight" else 1 for n, _ in named]
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
+    return [p for _, p in named], parts, rest
 
 
-def make_muon(args, model, params, parts, ctx, comm, cls=Muon):  # --naive: a one-rank Muon on every rank
-    lr = args.muon_lr if args.muon_lr is not None else 0.02 if args.muon_scale == "original" else args.lr
+def make_muon(args, model, params, parts, ctx, comm, cls=Muon):  # --naive: one-rank Muon everywhere
+    lr = args.muon_lr
+    if lr is None:
+        lr = 0.02 if args.muon_scale == "original" else args.lr
     return cls(params, parts, lr=lr, weight_decay=args.muon_weight_decay, momentum=args.momentum,
-                nesterov=args.nesterov, ns_steps=args.ns_steps, scale=args.muon_scale, comm=comm,
+                nesterov=args.nesterov, ns_steps=args.ns_steps, scale=args.muon_scale,
+                ns_dtype=ctx.dtype, comm=comm,  # the run's dtype: fp32 runs are exact on a GPU too
                 rank=0 if args.naive else ctx.rank, world=1 if args.naive else ctx.world)
+
+
+def stable_rank(X):  # ||X||_F^2 / ||X||_2^2 of each block, averaged: how many directions carry it
+    s = torch.linalg.svdvals(X.float())  # (parts, min(rows, cols))
+    return ((s ** 2).sum(-1) / s[:, 0] ** 2).mean().item()
+
+
+@torch.no_grad()
+def update_spread(muon, names):
+    """The payoff on the last step's state: the largest owned matrix's momentum u (the direction an
+    SGD step would follow) and Muon's update NS5(u), by their stable ranks: u is carried by a few
+    directions, NS5(u) by nearly all (every singular value about 1)."""
+    i = max(muon.mine, key=lambda i: muon.params[i].numel())
+    p, k = muon.params[i], muon.parts[i]
+    u = muon.momentum_buf[i].view(k, p.size(0) // k, p.size(1))  # (parts, rows, cols)
+    return names[i], {"momentum_stable_rank": stable_rank(u),
+                      "update_stable_rank": stable_rank(muon.orthogonalize(u)),
+                      "directions": min(p.size(0) // k, p.size(1))}
 
 
 def train(args, make_muon=make_muon):
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    train_loader, val_loader = gpt2.make_loaders(args, rank, world, gpt2.model_config(args).vocab_size)  # data fits?
+    vocab = gpt2.model_config(args).vocab_size
+    train_loader, val_loader = gpt2.make_loaders(args, rank, world, vocab)  # the data fits?
     ctx = gpt2.setup(args)
     model = gpt2.build_model(args).to(ctx.device)
     cfg = model.config
     comm, timeline = gpt2.CommMeter(), gpt2.Timeline(ctx)
     muon_params, parts, adamw_params = split_params(model, args.optimizer)
     muon = make_muon(args, model, muon_params, parts, ctx, comm) if muon_params else None
-    adamw = gpt2.make_adamw([{"params": [p for p in adamw_params if p.dim() >= 2], "weight_decay": args.weight_decay},
-                             {"params": [p for p in adamw_params if p.dim() < 2], "weight_decay": 0.0}], args, ctx.device)
+    matrices = [p for p in adamw_params if p.dim() >= 2]
+    vectors = [p for p in adamw_params if p.dim() < 2]
+    adamw = gpt2.make_adamw([{"params": matrices, "weight_decay": args.weight_decay},
+                             {"params": vectors, "weight_decay": 0.0}], args, ctx.device)
     fwd = torch.compile(model) if args.compile else model
-    metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), args.batch_size * args.seq_len * args.grad_accum * ctx.world)
+    tokens = args.batch_size * args.seq_len * args.grad_accum * ctx.world
+    metrics = gpt2.Metrics(args, ctx, cfg, model.num_params(), tokens)
     profiler = gpt2.Profiler(args, ctx)
 
     def loss_fn(x, y):
@@ -249,52 +306,92 @@ def train(args, make_muon=make_muon):
         timeline.comm_span("AdamW grads all-reduce", t0, "all_reduce")
         clip = 1.0
         with timeline.compute("clip + AdamW step"):
-            if args.grad_clip > 0:  # ||g|| of ALL parameters, as on one rank: Muon's part global, AdamW's replicated
-                sq = sum((p.grad.float().square().sum() for p in adamw_params), muon.grad_sq_norm() if muon else 0.0)
-                clip = (args.grad_clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)  # a tensor: no host sync in the step
+            # ||g|| of ALL parameters, as on one rank: Muon's part global, AdamW's replicated
+            sq = sum((p.grad.float().square().sum() for p in adamw_params),
+                     muon.grad_sq_norm() if muon else torch.zeros((), device=ctx.device))
+            norm = sq.sqrt()
+            if args.grad_clip > 0:
+                clip = (args.grad_clip / (norm + 1e-6)).clamp(max=1.0)  # a tensor: no host sync
                 torch._foreach_mul_([p.grad for p in adamw_params], clip)
             adamw.step()
         if muon:  # Muon rides AdamW's warmup + cosine schedule; owners update, then the all-gather
-            with timeline.compute("Newton-Schulz, every matrix" if args.naive else f"owner {ctx.rank}: Newton-Schulz"):
+            what = f"owner {ctx.rank}: Newton-Schulz"
+            what = "Newton-Schulz, every matrix" if args.naive else what
+            with timeline.compute(what):
                 muon.step(muon.lr * lr / args.lr, clip)
             t0 = timeline.now()
             muon.all_gather_params()  # --naive: world=1, nothing to gather
             timeline.comm_span(f"owner {ctx.rank} gather", t0, "all_gather")
         model.zero_grad(set_to_none=True)
-        loss_val = loss_sum.item()
+        loss_val, norm_val = torch.stack([loss_sum, norm]).tolist()  # the step's one host sync
         gpt2.check_finite(loss_val, step)
-        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb(), **(muon.stats if muon else {}))
+        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb(), grad_norm=norm_val,
+                         **(muon.stats if muon else {}))
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             model.eval()
             metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
-    gpt2.check_finite_weights(model.parameters(), args.steps - 1)  # every rank, before anything is written
+    gpt2.check_finite_weights(model.parameters(), args.steps - 1)  # every rank, before any write
     if ctx.master:
         gpt2.save_model(os.path.join(args.out, "model.pt"), cfg, model.state_dict())
     metrics.plot()
-    timeline.save(os.path.join(args.out, "timeline.png"), "one Muon step: compute (upper bar), collectives (lower)")
-    every = sum(args.ns_steps * ns_flops(p.shape, k) for p, k in zip(muon_params, parts)) / 1e9  # --naive's, per rank
-    print0(f"saved {args.out} | Newton-Schulz per step: {muon.flops / args.steps / 1e9 if muon else 0:.4f} GFLOP on "
-           f"rank 0, {every:.4f} for every matrix (what --naive runs on every rank)")
+    timeline.save(os.path.join(args.out, "timeline.png"), "one Muon step: compute (upper bar), "
+                  "collectives (lower)")
+    every = sum(args.ns_steps * ns_flops(p.shape, k) for p, k in zip(muon_params, parts)) / 1e9
+    mine = muon.flops / args.steps / 1e9 if muon else 0.0
+    print0(f"saved {args.out} | Newton-Schulz per step: {mine:.4f} GFLOP on rank 0, {every:.4f} "
+           f"for every matrix (what --naive runs on every rank)")
+    figures = {"ns_gflop_rank0": mine, "ns_gflop_every_matrix": every}
+    if muon:
+        names = [n for n, p in model.named_parameters() if any(p is q for q in muon_params)]
+        name, spread = update_spread(muon, names)
+        figures.update(spread)
+        print0(f"Muon's update of {name}: stable rank {spread['momentum_stable_rank']:.1f} for "
+               f"the momentum u, {spread['update_stable_rank']:.1f} for NS5(u), of "
+               f"{spread['directions']} directions")
+    metrics.log_summary(figures)
     return metrics.records  # gpt2.run_main destroys the process group
 
 
+MUON_FLAGS = ("naive", "muon_lr", "muon_weight_decay", "momentum", "nesterov", "ns_steps",
+              "muon_scale")  # what acts on Muon alone
+
+
 def make_parser():
-    p = gpt2.make_parser("Train GPT-2 with Muon on the block matrices (--muon-*) and AdamW (--lr) on the rest.")
+    p = gpt2.make_parser("Train GPT-2 with Muon on the block matrices (--muon-*) and AdamW (--lr) on "
+                         "the rest.")
     a = p.add_argument
-    a("--optimizer", default="muon", choices=["muon", "adamw"], help="muon = Muon + AdamW; adamw = AdamW only")
-    a("--naive", action="store_true", help="the naive version: all-reduce every gradient, every rank runs every NS")
-    a("--muon-lr", type=float, help="Muon's peak lr, on --lr's schedule (default 0.02; --lr with match_rms_adamw)")
-    a("--muon-weight-decay", type=float, default=0.0, help="Muon's decoupled weight decay, p *= 1 - muon_lr * wd")
+    a("--optimizer", default="muon", choices=["muon", "adamw"], help="muon = Muon + AdamW; adamw = "
+      "AdamW only")
+    a("--naive", action="store_true", help="the naive version: all-reduce every gradient, every rank "
+      "runs every NS")
+    a("--muon-lr", type=float, help="Muon's peak lr, on --lr's schedule (default 0.02; --lr with "
+      "match_rms_adamw)")
+    a("--muon-weight-decay", type=float, default=0.0, help="Muon's decoupled weight decay, p *= 1 - "
+      "muon_lr * wd")
     a("--momentum", type=float, default=0.95, help="Muon's momentum")
-    a("--nesterov", action=argparse.BooleanOptionalAction, default=True, help="Nesterov momentum for Muon")
+    a("--nesterov", action=argparse.BooleanOptionalAction, default=True, help="Nesterov momentum")
     a("--ns-steps", type=int, default=5, help="Newton-Schulz iterations")
-    a("--muon-scale", default="original", choices=["original", "match_rms_adamw"], help="Jordan's, or Moonlight 2.2's")
+    a("--muon-scale", default="original", choices=["original", "match_rms_adamw"],
+      help="Jordan's, or Moonlight 2.2's")
     return p
 
 
-def main(argv=None):  # the core alone: its flags, Muon (or --naive); cli() (appendix) adds extensions and checks
-    return train(make_parser().parse_args(argv))
+def refuse_idle_flags(args, parser, flags=MUON_FLAGS):
+    """--optimizer adamw trains no matrix with Muon: a Muon flag there would be read and do nothing."""
+    idle = [f for f in flags if getattr(args, f) != parser.get_default(f)]
+    if args.optimizer == "adamw" and idle:
+        flag = "--no-nesterov" if idle[0] == "nesterov" else "--" + idle[0].replace("_", "-")
+        gpt2.fail(f"{flag} with --optimizer adamw: no matrix is trained by Muon", flag,
+                  "drop it, or use --optimizer muon")
+
+
+def main(argv=None):  # the core alone: its flags, Muon (or --naive); cli() adds extensions
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    gpt2.check_args(args)  # before the first collective: a bad flag fails every rank, none hangs
+    refuse_idle_flags(args, parser)
+    return train(args)
 
 
 # ---- Beyond the core ----
@@ -550,6 +647,7 @@ def cli(argv=None):
     add_extension_flags(p)
     args = p.parse_args(argv)
     check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    refuse_idle_flags(args, p, MUON_FLAGS + ("momentum_warmup", "ns_coefficients", "qkv"))
     return train(args, make_muon if args.naive else make_extended_muon)
 
 

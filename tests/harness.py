@@ -4,9 +4,13 @@
     run_cli(["ddp.py", ...], nproc=2)   -> the CompletedProcess; read_metrics(out) -> the records it wrote
 """
 import concurrent.futures
+import contextlib
+import importlib
+import io
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -180,3 +184,15 @@ def first_differences(rel=None):
                     lines.append(f"  which usually means: {c['hint']}")
                 break
     return lines
+
+
+def file_flags(name):
+    """The flags `python FILE --help` lists (`gpt2.py train --help`), asked in this process: no launch per file."""
+    module = importlib.import_module(name[:-3])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            module.run_main(module.train, ["--help"]) if name == "gpt2.py" else module.cli(["--help"])
+        except SystemExit as stop:
+            assert stop.code in (0, None), f"{name} --help exited {stop.code}"
+    return set(re.findall(r"--[a-z0-9][a-z0-9-]*", out.getvalue()))

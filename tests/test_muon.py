@@ -193,6 +193,26 @@ def test_muon_steps_equal_torch_muon(scale, nesterov):
 # Distributed Muon == one rank: the owners' mean gradients, the grad norm, the updated matrices, bytes
 
 
+def test_newton_schulz_runs_in_the_runs_dtype():
+    """Issue 35 item 3: Newton-Schulz ran in bf16 on CUDA even with --dtype float32, so a --deterministic fp32
+    GPU run could not equal the CPU's. make_muon now hands Muon the run's dtype (ctx.dtype): fp32 runs
+    orthogonalise in fp32 on any device (exact), bf16 runs in bf16. On CPU: the dtype reaches the step."""
+    from types import SimpleNamespace
+    args = muon.make_parser().parse_args(TINY)
+    model = gpt2.build_model(args)
+    params, parts, _ = muon.split_params(model, "muon")
+    g = torch.randn(params[1].shape, generator=torch.Generator().manual_seed(0))
+    steps = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        opt = muon.make_muon(args, model, params, parts, SimpleNamespace(dtype=dtype, rank=0, world=1),
+                             gpt2.CommMeter())
+        assert opt.ns_dtype == dtype, f"make_muon must pass the run's dtype ({dtype}) to Muon, got {opt.ns_dtype}"
+        u = g.view(parts[1], -1, g.size(1))
+        steps[dtype] = opt.orthogonalize(u)
+        assert torch.equal(steps[dtype], muon.newton_schulz(u, 5, dtype))
+    assert 1e-4 < rel(steps[torch.bfloat16], steps[torch.float32]) < 0.05  # bf16 rounding, not another method
+
+
 def block_shapes(E=32, layers=2):
     return [((3 * E, E), 3), ((E, E), 1), ((4 * E, E), 1), ((E, 4 * E), 1)] * layers
 
@@ -348,6 +368,9 @@ def test_cli_curve_two_ranks_grad_accum_equals_one_rank(shakespeare, tmp_path):
                          hint="the AdamW all-reduce or the owners' gathers: a rank that trains on stale or summed values")
     print(f"60-step curve, 2 ranks x --grad-accum 2 vs 1 rank: largest relative difference {worst:.1e} (tolerance {CURVE_TOL:.0e})")
     assert a[-1] < a[0] - 1.0  # it trains
+    norms = [[r["grad_norm"] for r in read_metrics(d) if "loss" in r] for d in (two, one)]
+    assert_close("grad_norm (pre-clip), muon.py 2 ranks x --grad-accum 2 vs 1 rank, fp32, 60 steps", *norms,
+                 CURVE_TOL, hint="the norm of the MEAN gradient: Muon's owners' part all-reduced once, AdamW's")
     w1 = torch.load(os.path.join(one, "model.pt"))["model"]
     w2 = torch.load(os.path.join(two, "model.pt"))["model"]
     weights_close("weights after 60 steps, 2 ranks vs 1 rank", w2, w1, 1e-3, "the owners' all-gather")
@@ -385,6 +408,13 @@ def test_cli_naive_equals_owners_and_adamw_equals_gpt2(shakespeare, tmp_path):
     line = next(l for l in proc.stdout.splitlines() if "Newton-Schulz per step" in l)
     mine, every = (float(x) for x in re.findall(r"([0-9.]+) (?:GFLOP|for every)", line))
     assert mine == every, line  # the naive version orthogonalises every matrix on every rank
+    # the payoff (issue 37), printed and recorded: a few directions carry the momentum u, nearly all of
+    # them carry NS5(u) (every singular value in the quintic's band, tested above)
+    spread = read_metrics(one)[-1]["summary"]
+    print(f"payoff, 1 rank: {spread}")
+    assert spread["directions"] == 64 and spread["momentum_stable_rank"] < 8 < 30 < spread["update_stable_rank"]
+    assert spread["ns_gflop_rank0"] == pytest.approx(spread["ns_gflop_every_matrix"], rel=1e-9)  # 1 rank: all
+    assert "Muon's update of h.0.mlp.c_fc.weight: stable rank" in proc.stdout
     # and sends what the owners send, without their slab padding and clip scalar: 2(N-1)/N x S for the matrices
     m, _, rest = muon.split_params(gpt2.build_model(make_args(shakespeare)), "muon")
     theory = (2 * 0.5 * (sum(p.numel() for p in rest) + 1) * 4 + 2 * 0.5 * sum(p.numel() for p in m) * 4) / 1e6
@@ -395,6 +425,9 @@ def test_cli_naive_equals_owners_and_adamw_equals_gpt2(shakespeare, tmp_path):
     muon.cli([*TINY, *six, "--optimizer", "adamw", "--out", adam])
     gpt2.train([*TINY, *six, "--out", base])
     assert_close("train loss, muon.py --optimizer adamw vs gpt2.py, fp32", train_losses(adam), train_losses(base), 1e-5)
+    norms = [[r["grad_norm"] for r in read_metrics(d) if "loss" in r] for d in (adam, base)]
+    assert_close("grad_norm (pre-clip), muon.py --optimizer adamw vs gpt2.py, fp32", *norms, 1e-5,
+                 hint="train: the norm of every gradient before clipping, read with the loss")
     # what Muon changes: its total update to a block matrix is spread over many directions (stable rank
     # ||D||_F^2 / ||D||_2^2 of D = W_12 - W_0 is ~30 of 64 possible), AdamW's is dominated by a few (~1-3)
     init = gpt2.build_model(make_args(shakespeare)).state_dict()
@@ -403,7 +436,7 @@ def test_cli_naive_equals_owners_and_adamw_equals_gpt2(shakespeare, tmp_path):
         assert stable_rank(w1[k] - init[k]) > 15 and stable_rank(w_adam[k] - init[k]) < 8, k
 
 
-def reference_run(data, steps, nesterov=True, scale="original"):
+def reference_run(data, steps, nesterov=True, scale="original", ns_steps=5, muon_lr=None, momentum=0.95):
     """One rank, written out here, independent of muon.py's Muon, make_muon and train: gpt2.py's model, loader,
     schedule and AdamW, torch's clip_grad_norm_, and Muon's update with muon.newton_schulz (tested above)."""
     args = muon.make_parser().parse_args([*TINY, "--data", data, "--batch-size", "8", "--steps", str(steps)])
@@ -413,8 +446,8 @@ def reference_run(data, steps, nesterov=True, scale="original"):
     adamw = gpt2.make_adamw([{"params": [p for p in rest if p.dim() == 2], "weight_decay": args.weight_decay},
                              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}], args, torch.device("cpu"))
     loader, _ = gpt2.make_loaders(args, 0, 1, model.config.vocab_size)
-    momentum = {n: torch.zeros_like(p) for n, p in blocks}
-    muon_lr = 0.02 if scale == "original" else args.lr
+    momentum_buf = {n: torch.zeros_like(p) for n, p in blocks}
+    muon_lr = muon_lr or (0.02 if scale == "original" else args.lr)
     for step in range(steps):
         lr = gpt2.set_lr(adamw, step, args)
         gpt2.accumulate_grads(lambda x, y: model(x, y)[1], loader, args, torch.device("cpu"))
@@ -424,22 +457,27 @@ def reference_run(data, steps, nesterov=True, scale="original"):
             for n, p in blocks:
                 k = 3 if n.endswith("c_attn.weight") else 1
                 rows, cols = p.size(0) // k, p.size(1)
-                M = momentum[n].mul_(0.95).add_(p.grad, alpha=0.05)
-                u = 0.05 * p.grad + 0.95 * M if nesterov else M
-                o = muon.newton_schulz(u.view(k, rows, cols)).view_as(p)
+                M = momentum_buf[n].mul_(momentum).add_(p.grad, alpha=1 - momentum)
+                u = (1 - momentum) * p.grad + momentum * M if nesterov else M
+                o = muon.newton_schulz(u.view(k, rows, cols), ns_steps).view_as(p)
                 s = max(1, rows / cols) ** 0.5 if scale == "original" else 0.2 * max(rows, cols) ** 0.5
                 p.add_(o, alpha=-muon_lr * lr / args.lr * s)
         model.zero_grad(set_to_none=True)
     return model.state_dict()
 
 
-@pytest.mark.parametrize("flags", [[], ["--no-nesterov"], ["--muon-scale", "match_rms_adamw"]])
+@pytest.mark.parametrize("flags", [[], ["--no-nesterov"], ["--muon-scale", "match_rms_adamw"], ["--ns-steps", "2"],
+                                   ["--muon-lr", "0.05"], ["--momentum", "0.8"]])
 def test_cli_flags_reach_muon(flags, shakespeare, tmp_path):
-    """Issue 31: --nesterov and --muon-scale could be dropped by the CLI and every test passed. Two steps (at step 0
-    Nesterov's direction equals the momentum's): the CLI's weights against reference_run with the same options,
-    and that option really changes them (against reference_run with the defaults)."""
-    nesterov, scale = "--no-nesterov" not in flags, flags[1] if flags[:1] == ["--muon-scale"] else "original"
-    want, default = reference_run(shakespeare, 2, nesterov, scale), reference_run(shakespeare, 2)
+    """Issues 31 and 35: --nesterov, --muon-scale, --ns-steps (always 5 steps passed every test), --muon-lr and
+    --momentum could be dropped by the CLI. Two steps (at step 0 Nesterov's direction equals the momentum's):
+    the CLI's weights against reference_run with the same options, and that option really changes them
+    (against reference_run with the defaults)."""
+    opts = dict(zip(flags[::2], flags[1::2]))
+    nesterov, scale = "--no-nesterov" not in flags, opts.get("--muon-scale", "original")
+    want = reference_run(shakespeare, 2, nesterov, scale, int(opts.get("--ns-steps", 5)),
+                         float(opts.get("--muon-lr", 0)) or None, float(opts.get("--momentum", 0.95)))
+    default = reference_run(shakespeare, 2)
     out = str(tmp_path / "run")
     muon.cli([*TINY, "--data", shakespeare, "--batch-size", "8", "--steps", "2", *flags, "--out", out])
     got = torch.load(os.path.join(out, "model.pt"))["model"]
@@ -536,6 +574,17 @@ def make_args(data):
     (["--ns-coefficients", "polar_express", "--ns-steps", "6"], "(--ns-steps)"), (["--qk-clip", "-1"], "(--qk-clip)"),
     (["--qk-clip", "50", "--optimizer", "adamw"], "--qk-clip"), (["--log-max-logit", "--compile"], "--log-max-logit"),
     (["--naive", "--qk-clip", "50"], "(--naive)"),
+    # issue 36: a Muon flag with --optimizer adamw is read and does nothing
+    (["--naive", "--optimizer", "adamw"], "--naive with --optimizer adamw: no matrix is trained by Muon (--naive)"),
+    (["--ns-steps", "3", "--optimizer", "adamw"], "(--ns-steps)"), (["--optimizer", "adamw", "--no-nesterov"],
+                                                                   "(--no-nesterov)"),
+    (["--muon-lr", "0.05", "--optimizer", "adamw"], "(--muon-lr)"), (["--momentum", "0.9", "--optimizer", "adamw"],
+                                                                     "(--momentum)"),
+    (["--muon-scale", "match_rms_adamw", "--optimizer", "adamw"], "(--muon-scale)"),
+    (["--muon-weight-decay", "0.1", "--optimizer", "adamw"], "(--muon-weight-decay)"),
+    (["--momentum-warmup", "5", "--optimizer", "adamw"], "(--momentum-warmup)"),
+    (["--ns-coefficients", "polar_express", "--optimizer", "adamw"], "(--ns-coefficients)"),
+    (["--qkv", "packed", "--optimizer", "adamw"], "(--qkv)"),
 ])
 def test_bad_flags_fail_before_any_collective(flags, says, random_data, tmp_path, monkeypatch):
     def no_setup(args):
@@ -545,6 +594,9 @@ def test_bad_flags_fail_before_any_collective(flags, says, random_data, tmp_path
     with pytest.raises(ValueError) as e:
         muon.cli([*TINY, "--data", random_data, "--out", str(tmp_path), *flags])
     assert says in str(e.value), str(e.value)
+    if flags[-2:] == ["--optimizer", "adamw"] and flags[0] in ("--naive", "--ns-steps", "--muon-lr"):
+        with pytest.raises(ValueError, match=re.escape(says)):  # the core's main (the handout) refuses too
+            muon.main([*TINY, "--data", random_data, "--out", str(tmp_path), *flags])
     with pytest.raises(ValueError):
         muon.update_scale(4, 4, "adam")
 

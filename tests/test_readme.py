@@ -1,7 +1,8 @@
-"""The README's Learning path prints what it shows (issue 31): every command of the course, typed as printed in a
-fresh directory holding the project's files and data/shakespeare prepared offline as the quickstart says, prints
-the lines of the "You should see" block below it. Times (ms, tok/s, s, %) vary from machine to machine and are
-masked, as is what the README writes as "..."; losses, byte counts and every other figure match to the digit."""
+"""The README's Learning path prints what it shows (issues 31, 37): every command of the course, typed as printed
+in a fresh directory holding the project's files and data/shakespeare_char (and data/shakespeare) prepared offline
+as the quickstart says, prints the lines of the "You should see" block below it. Times (ms, tok/s, s, %) vary from
+machine to machine and are masked, as is what the README writes as "..."; losses, byte counts and every other
+figure match to the printed digit, except where a format's rounding moves the curve between CPUs (TOLERANCE)."""
 import os
 import re
 import shutil
@@ -11,14 +12,33 @@ import time
 
 import pytest
 
-from harness import ROOT, free_port, launch_env, two_at_a_time
+from harness import ROOT, file_flags, free_port, launch_env, two_at_a_time
 
 TIMED = re.compile(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?\s*(?:ms|tok/s|s|%|x)(?=\W|$)")
+
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[+-]?\d+)?")
+
+# Lessons whose printed figures may move between CPUs, by how much (relative), and why. fp8.py: one e4m3 rounding
+# that lands the other way (a different fp32 sum order in another CPU's GEMM kernel) moves that element by one e4m3
+# step, 2^-3 relative; the curve carries a few such flips a step: measured 1.3e-5 relative on the loss at step 19
+# between two CPUs (issue 37), so 1e-4 is shown as 4 decimals of a loss near 3 moving by at most 3 units.
+TOLERANCE = {"fp8.py": 1e-4}
 
 
 def normalize(line):
     """Times masked, runs of spaces collapsed: what must match to the digit is everything else."""
     return " ".join(TIMED.sub("#", line).split())
+
+
+def same_line(shown, printed, tol):
+    """printed matches shown: the same words, every figure equal (within tol relative, where tol > 0)."""
+    if not tol:
+        return printed == shown
+    if NUMBER.sub("#", printed) != NUMBER.sub("#", shown):
+        return False
+    pairs = zip(NUMBER.findall(shown), NUMBER.findall(printed))
+    return all(abs(float(a) - float(b)) <= tol * abs(float(a)) + 1e-12 for a, b in pairs)
 
 
 def course():
@@ -43,6 +63,39 @@ def course():
 LESSONS = course()
 
 
+def try_commands():
+    """[(section title, command)] of every `python ...` / `torchrun ...` in a lesson's "Try:" paragraph."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    found = []
+    for section in re.split(r"\n### ", text[text.index("## Learning path"):])[1:]:
+        for paragraph in re.findall(r"Try:(.*?)(?:\n\n|\n###|$)", section, re.S):
+            for command in re.findall(r"`((?:python|torchrun) [^`]*)`", paragraph):
+                found.append((section.splitlines()[0], " ".join(command.split())))
+    return found
+
+
+def test_every_try_line_runs_as_typed():
+    """A "Try:" command typed as printed: each flag exists in its file, and it writes to its own --out (the
+    lesson's directory holds the lesson's run: the same --out would be refused)."""
+    tries = try_commands()
+    assert len(tries) >= 9, tries
+    outs = [c.split("--out")[1].split()[0] for _, cs, _ in LESSONS for c in cs if "--out" in c]
+    for title, command in tries:
+        argv = command.split()
+        name = next(a for a in argv if a.endswith(".py"))
+        flags = {a.split("=")[0] for a in argv if a.startswith("--") and argv.index(a) > argv.index(name)}
+        assert flags <= file_flags(name) | {"--help"}, f"README lesson {title!r}: `{command}`: " \
+            f"{sorted(flags - file_flags(name))} not flags of {name}"
+        assert "--out" in flags or argv[argv.index(name) + 1:argv.index(name) + 2] in (["sample"], ["demo"]), \
+            f"README lesson {title!r}: `{command}` names no --out"
+        if "--out" in flags:
+            out = argv[argv.index("--out") + 1]
+            assert out not in outs, f"README lesson {title!r}: `{command}` writes to {out}, which another " \
+                                    "command of the course writes"
+            outs.append(out)
+
+
 def test_every_lesson_has_a_command_and_what_it_prints():
     assert len(LESSONS) >= 9, [t for t, _, _ in LESSONS]
     for title, commands, shown in LESSONS:
@@ -51,13 +104,14 @@ def test_every_lesson_has_a_command_and_what_it_prints():
 
 
 @pytest.fixture(scope="module")
-def fresh_clone(tmp_path_factory, shakespeare):
-    """The project's files in a new directory, data/shakespeare prepared offline (the quickstart's second line)."""
+def fresh_clone(tmp_path_factory, shakespeare, shakespeare_char):
+    """The project's files in a new directory, the data prepared offline (as the quickstart's lines)."""
     d = tmp_path_factory.mktemp("clone")
     for name in os.listdir(ROOT):
         if name.endswith(".py") or name in ("requirements.txt",):
             shutil.copy(os.path.join(ROOT, name), d / name)
     shutil.copytree(shakespeare, d / "data" / "shakespeare")
+    shutil.copytree(shakespeare_char, d / "data" / "shakespeare_char")
     return d
 
 
@@ -101,10 +155,11 @@ def test_lesson_prints_what_the_readme_shows(lesson, lesson_runs):
                                                f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
         out += proc.stdout + proc.stderr
     printed = {normalize(ln) for ln in out.splitlines()}
+    tol = next((t for name, t in TOLERANCE.items() if name in title), 0)
     for line in shown:
         if line.strip() and not line.strip().startswith("..."):
             # "..." in a shown line stands for a figure that varies from run to run (a measured fraction, RSS)
             pattern = re.compile(".*".join(re.escape(part) for part in normalize(line).split("...")))
-            assert any(pattern.fullmatch(p) for p in printed), \
+            assert any(pattern.fullmatch(p) or same_line(normalize(line), p, tol) for p in printed), \
                 f"README lesson {title!r} shows a line the command does not print:\n  shown:   {line}\n" \
                 f"  printed: {next((p for p in out.splitlines() if p.split('|')[0] == line.split('|')[0]), '(none)')}"
