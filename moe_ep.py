@@ -346,21 +346,21 @@ def all_reduce_grads(params, group, n, world):
         p.grad = g.view_as(p)
 
 
-def squared_norm(params):
-    """The sum of the squares of the gradients, a 0-dim fp32 tensor (no host sync)."""
-    squares = [p.grad.float().square().sum() for p in params if p.grad is not None]
-    return torch.stack(squares).sum() if squares else torch.zeros(())
+def squared_norm(params, device):
+    """The sum of the squares of the gradients, a 0-dim fp32 tensor on `device` (no host sync)."""
+    return sum((p.grad.float().square().sum() for p in params if p.grad is not None),
+               torch.zeros((), device=device))
 
 
 def clip_global_grad_norm(dense, experts, max_norm, ep_group, ep):
     """The whole model's gradient norm before clipping, and clip_grad_norm_ to max_norm (0: off):
     dense grads are identical on every rank, expert grads are split over the EP group, so their
     squared norms are summed over it (one float)."""
-    expert_sq = squared_norm(experts).to(dense[0].device)
+    expert_sq = squared_norm(experts, dense[0].device)
     if ep > 1:
         comm.all_reduce(4, ep)
         dist.all_reduce(expert_sq, group=ep_group)
-    norm = (squared_norm(dense) + expert_sq).sqrt()
+    norm = (squared_norm(dense, dense[0].device) + expert_sq).sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # a tensor: no host sync
         torch._foreach_mul_([p.grad for p in dense + experts if p.grad is not None], coef)
