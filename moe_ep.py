@@ -458,8 +458,8 @@ def make_parser():
     a = p.add_argument
     a("--naive", action="store_true", help="all-gather the tokens, every rank runs its experts on "
       "all of them, reduce-scatter the outputs (no routing-dependent exchange)")
-    a("--ep", type=int, default=None, help="expert-parallel size: the experts are split over groups "
-      "of this many ranks (default: all ranks)")
+    a("--ep", type=int, default=None, help="expert-parallel size: the experts are split over "
+      "groups of this many ranks (default: all ranks)")
     a("--experts", type=int, default=4, help="routed experts per MoE layer (each one GPT-2's MLP)")
     a("--top-k", type=int, default=2, help="experts per token")
     a("--capacity-factor", type=float, default=0.0, help="expert capacity = ceil(C*tokens*k/E) per "
