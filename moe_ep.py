@@ -346,21 +346,21 @@ def all_reduce_grads(params, group, n, world):
         p.grad = g.view_as(p)
 
 
-def squared_norm(params):
-    """The sum of the squares of the gradients, a 0-dim fp32 tensor (no host sync)."""
-    squares = [p.grad.float().square().sum() for p in params if p.grad is not None]
-    return torch.stack(squares).sum() if squares else torch.zeros(())
+def squared_norm(params, device):
+    """The sum of the squares of the gradients, a 0-dim fp32 tensor on `device` (no host sync)."""
+    return sum((p.grad.float().square().sum() for p in params if p.grad is not None),
+               torch.zeros((), device=device))
 
 
 def clip_global_grad_norm(dense, experts, max_norm, ep_group, ep):
     """The whole model's gradient norm before clipping, and clip_grad_norm_ to max_norm (0: off):
     dense grads are identical on every rank, expert grads are split over the EP group, so their
     squared norms are summed over it (one float)."""
-    expert_sq = squared_norm(experts).to(dense[0].device)
+    expert_sq = squared_norm(experts, dense[0].device)
     if ep > 1:
         comm.all_reduce(4, ep)
         dist.all_reduce(expert_sq, group=ep_group)
-    norm = (squared_norm(dense) + expert_sq).sqrt()
+    norm = (squared_norm(dense, dense[0].device) + expert_sq).sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # a tensor: no host sync
         torch._foreach_mul_([p.grad for p in dense + experts if p.grad is not None], coef)
@@ -458,8 +458,8 @@ def make_parser():
     a = p.add_argument
     a("--naive", action="store_true", help="all-gather the tokens, every rank runs its experts on "
       "all of them, reduce-scatter the outputs (no routing-dependent exchange)")
-    a("--ep", type=int, default=0, help="expert-parallel size: the experts are split over groups "
-      "of this many ranks (default: all ranks)")
+    a("--ep", type=int, default=None, help="expert-parallel size: the experts are split over "
+      "groups of this many ranks (default: all ranks)")
     a("--experts", type=int, default=4, help="routed experts per MoE layer (each one GPT-2's MLP)")
     a("--top-k", type=int, default=2, help="experts per token")
     a("--capacity-factor", type=float, default=0.0, help="expert capacity = ceil(C*tokens*k/E) per "
@@ -472,7 +472,7 @@ def make_parser():
 def check_args(args, world):
     """Every mistake found before the first collective, so it is an error message and not a hang."""
     gpt2.check_args(args)
-    args.ep = args.ep or world  # default: the experts spread over every rank
+    args.ep = world if args.ep is None else args.ep  # default: the experts spread over every rank
     gpt2.check_range(args.ep, "--ep", 1, todo="give a positive integer")
     if args.experts % args.ep:
         gpt2.fail(f"{args.experts} experts do not split evenly over {args.ep} ranks",
