@@ -72,8 +72,8 @@ def closing_lines(printed, out):
 def lesson_flags(name, handout, data, out):
     """The handout's own lesson command (its docstring), for 3 steps on `data` into `out`."""
     doc = ast.get_docstring(ast.parse(handout))
-    line = next((ln.strip() for ln in doc.splitlines() if ln.strip().startswith("torchrun") and f" {name} " in ln),
-                None)
+    line = next((ln.strip() for ln in reversed(doc.splitlines())  # the handout's own paragraph closes the docstring
+                 if ln.strip().startswith("torchrun") and f" {name} " in ln), None)
     assert line, f"{name}: the handout's docstring gives no `torchrun ... {name}` command to run from its directory"
     flags = line.split(f" {name} ", 1)[1].split()
     for flag, value in (("--data", data), ("--steps", "3"), ("--out", out)):
