@@ -17,7 +17,8 @@ counts what WOULD wait on CUDA:
     torch.equal                                                     a Python bool from device data
     nonzero, boolean-mask indexing, masked_select, unique           an output size only the data knows
     bincount, repeat_interleave without output_size                 likewise
-    torch.cuda.synchronize(), dist.barrier(), object collectives    the host waits for the device (NCCL)
+    torch.cuda.synchronize(), dist.barrier(), object collectives    the host waits for the device (NCCL; not on
+                                                                    a group made with backend="gloo")
     a copy of a host tensor to the device without non_blocking=True from pinned memory (.to, .cuda, copy_,
     torch.tensor(data, device=...), t.new_tensor(data))             a pageable copy: the host waits for it
     any of these in a branch only CUDA takes (`if x.device.type == "cuda":`, `torch.cuda.is_available()`,
@@ -59,7 +60,7 @@ RUNS = {
 # the step's figures; checkpoint.py's saving step: its 3 blocking device -> host snapshot copies. pipeline.py: 1 is its
 # loss; it measured 5 (its micro-batches copied to the device from pageable host memory, 4 waits on CUDA).
 BUDGET = {"gpt2.py": 1, "ddp.py": 1, "fsdp2.py": 1, "tensor_parallel.py": 1, "pipeline.py": 1, "moe_ep.py": 9,
-          "fp8.py": 1, "muon.py": 1, "checkpoint.py": 4}
+          "fp8.py": 1, "muon.py": 1, "checkpoint.py": 4}  # measured again on main 6027c6f
 CEILING, PER_MOE_LAYER = 4, 1  # issue 29: at most 4 a step, moe_ep 1 more per MoE layer per micro-step
 WHERE = os.environ.get("HOST_SYNCS_WHERE") == "1"  # --where: count each op at its line too
 
@@ -70,6 +71,7 @@ READS = {"tolist": "tolist", "numpy": "numpy", "cpu": "device -> host copy", "__
 FACTORIES = {"zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "randperm", "linspace",
              "logspace", "eye", "tensor", "as_tensor"}
 # collectives that make the host wait for the device on NCCL (the object ones pickle through a host copy)
+HOST_GROUPS = set()  # id() of the groups made with backend="gloo" (even on CUDA: a checkpoint writer's host group)
 BLOCKING_COLLECTIVES = ("barrier", "monitored_barrier", "all_gather_object", "broadcast_object_list",
                         "gather_object", "scatter_object_list")
 
@@ -271,6 +273,8 @@ class Counter:
             return
 
         def counted(*a, **k):
+            if id(k.get("group")) in HOST_GROUPS:  # a gloo group made as such: hosts wait for hosts, not the GPU
+                return counted.original(*a, **k)
             return Counter.active.quietly(counted.original, a, k, what)
 
         counted.original, counted.counted_as = fn, what
@@ -294,6 +298,17 @@ class Counter:
         for name in BLOCKING_COLLECTIVES:
             if hasattr(dist, name):
                 self.wrap(dist, name, f"dist.{name}")
+        if not hasattr(dist.new_group, "counted_as"):
+            new_group = dist.new_group
+
+            def tracked_new_group(*a, **k):
+                group = tracked_new_group.original(*a, **k)
+                if k.get("backend") == "gloo":
+                    HOST_GROUPS.add(id(group))
+                return group
+
+            tracked_new_group.counted_as, tracked_new_group.original = "host group", new_group
+            dist.new_group = tracked_new_group
         return self
 
 

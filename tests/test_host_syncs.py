@@ -98,6 +98,9 @@ def test_synchronize_and_blocking_collectives_are_counted_once_each(counter, mon
     assert added(counter, dist.barrier) == {"dist.barrier": 1}
     assert added(counter, lambda: dist.all_gather_object([None], 1)) == {"dist.all_gather_object": 1}
     assert calls == ["synchronize", "barrier", "all_gather_object"]
+    monkeypatch.setattr(dist.new_group, "original", lambda *a, **k: object())
+    writer = dist.new_group(backend="gloo")  # a host group even on CUDA (checkpoint.py's writer)
+    assert added(counter, lambda: dist.barrier(group=writer)) == {}, "a barrier of a gloo-made group counted"
 
 
 CUDA_ONLY = '''
