@@ -71,7 +71,7 @@ def closing_lines(printed, out):
 
 def lesson_flags(name, handout, data, out):
     """The handout's own lesson command (its docstring), for 3 steps on `data` into `out`."""
-    doc = ast.get_docstring(ast.parse(handout))
+    doc = ast.get_docstring(ast.parse(handout)).replace("\\\n", " ")  # a command continued over lines: one
     line = next((ln.strip() for ln in reversed(doc.splitlines())  # the handout's own paragraph closes the docstring
                  if ln.strip().startswith("torchrun") and f" {name} " in ln), None)
     assert line, f"{name}: the handout's docstring gives no `torchrun ... {name}` command to run from its directory"
