@@ -4,6 +4,7 @@ deliberate bug (gradients summed over the ranks instead of averaged) fails one S
 and the hint that names it."""
 import ast
 import concurrent.futures
+import os
 import re
 import shutil
 import subprocess
@@ -76,7 +77,8 @@ def lesson_flags(name, handout, data, out):
                  if ln.strip().startswith("torchrun") and f" {name} " in ln), None)
     assert line, f"{name}: the handout's docstring gives no `torchrun ... {name}` command to run from its directory"
     flags = line.split(f" {name} ", 1)[1].split()
-    for flag, value in (("--data", data), ("--steps", "3"), ("--out", out)):
+    extra = (("--ckpt-dir", os.path.join(out, "shards")),) * ("--ckpt-dir" in flags)  # each run its own
+    for flag, value in (("--data", data), ("--steps", "3"), ("--out", out)) + extra:
         if flag in flags:
             del flags[flags.index(flag):flags.index(flag) + 2]
         flags += [flag, value]
