@@ -289,7 +289,8 @@ def train(args, P, Pipe=Pipeline):
         profiler.step(step)
         metrics.start_step()
         lr = gpt2.set_lr(opt, step, args)
-        loss_sum = sum(pipe.step(*train_loader.next_batch(), scale) for _ in range(args.grad_accum))
+        batches = (train_loader.next_batch(ctx.device) for _ in range(args.grad_accum))  # pinned on CUDA
+        loss_sum = sum(pipe.step(x, y, scale) for x, y in batches)
         pipe.sync_grads()
         loss = pipe.global_loss(loss_sum)
         norm = pipe.clip_grad_norm(args.grad_clip)
@@ -304,7 +305,7 @@ def train(args, P, Pipe=Pipeline):
             metrics.log_val(step, gpt2.evaluate(val_loss, val_loader, args.eval_steps, ctx.device))
             pipe.model.train()
     metrics.plot()
-    fig = measure_bubble(pipe, [train_loader.next_batch() for _ in range(3)])
+    fig = measure_bubble(pipe, [train_loader.next_batch(ctx.device) for _ in range(3)])
     print0(f"bubble {fig['bubble']:.3f} of the step (measured, {fig['step_ms']:.1f} ms) | closed "
            f"form (P-1)/(M+P-1) = {fig['bubble_closed_form']:.3f}")
     print0(f"micro-batches held at once per rank: {fig['held']} of M={pipe.M} (1F1B: P - stage)")
