@@ -289,7 +289,8 @@ def train(args, P, Pipe=Pipeline):
         profiler.step(step)
         metrics.start_step()
         lr = gpt2.set_lr(opt, step, args)
-        batches = (train_loader.next_batch(ctx.device) for _ in range(args.grad_accum))  # pinned on CUDA
+        # on the device: pinned, so the copy is asynchronous on CUDA (no host sync)
+        batches = (train_loader.next_batch(ctx.device) for _ in range(args.grad_accum))
         loss_sum = sum(pipe.step(x, y, scale) for x, y in batches)
         pipe.sync_grads()
         loss = pipe.global_loss(loss_sum)
