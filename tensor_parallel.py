@@ -1,4 +1,4 @@
-r"""
+"""
 tensor_parallel.py - Megatron-LM tensor parallelism for GPT-2 from torch.distributed primitives:
 column- and row-parallel matmuls, a vocab-parallel embedding and loss, a grid of TP x DP ranks.
 
@@ -31,7 +31,7 @@ Below the banners: sequence parallelism, --overlap-comm, the gathered model.pt, 
 
 Read first: CopyToTP, ReduceFromTP (f, g), RowParallelLinear, VocabParallelCrossEntropy, train.
 Run (a minute on 2 CPU cores; the closing lines are the payoff, each figure beside its closed form):
-    torchrun --nproc_per_node=2 tensor_parallel.py --data data/shakespeare_char --steps 20 \
+    torchrun --nproc_per_node=2 tensor_parallel.py --data data/shakespeare_char --steps 20 \\
         --batch-size 8 --seq-len 64 --out out/tp
     communication per step per rank: 4.725 .. 4.725 MB measured over 20 steps, 4.725 MB closed ..
     activations per rank, one micro-batch: 10.54 MB embedding + blocks (fp32 closed form 10.54;
