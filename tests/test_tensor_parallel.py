@@ -675,13 +675,13 @@ def _clip_syncs(rank, world):
                                  grid_for(world, rank))
     idx = torch.randint(0, 50257, (2, 8), generator=torch.Generator().manual_seed(1))
     model(idx, idx.roll(1, 1)).backward()
-    tally, state, dispatch, function = counters()
-    state["on"] = True
-    with dispatch, function:
+    counter = counters()
+    counter.on = True
+    with counter.dispatch, counter.function:
         norm = tp.grad_norm(model, model.grid)
         clipped = tp.clip_grad_norm(model, model.grid, 0.5)
-    state["on"] = False
-    return tally, norm.item(), clipped.item(), tp.grad_norm(model, model.grid).item()
+    counter.on = False
+    return dict(counter.tally), norm.item(), clipped.item(), tp.grad_norm(model, model.grid).item()
 
 
 def test_norm_and_clip_add_no_host_sync():
