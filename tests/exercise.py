@@ -118,8 +118,8 @@ HINTS = {
     "test_tensor_parallel": "wrong from step 0: f and g are conjugates (f: identity forward, all-reduce backward; g: "
                             "all-reduce forward, identity backward) and the row-parallel bias is added once, after g; "
                             "the loss needs the global row max and the global sum of exp.",
-    "test_pipeline": "a hang: every receive must be issued in the batch the plan gives it (plan[rank][i + 1] after "
-                     "op i); a wrong loss: the last stage scales each micro-batch's loss by 1/M.",
+    "test_pipeline": "a hang: each exchange pairs a send with the receive the peer posts at the same point of its "
+                     "loop (one batch_isend_irecv); a wrong loss: the last stage scales each micro-batch's loss by 1/M.",
     "test_moe_ep": "EP differs from one rank: combine must swap dispatch's splits, and backward is the same "
                    "exchange with the splits swapped; a hang: every rank exchanges counts before rows.",
     "test_muon": "one rank already differs from torch.optim.Muon: the momentum is an EMA (lerp) and Nesterov "
