@@ -1,24 +1,42 @@
 """
-checkpoint.py - sharded, asynchronous, crash-safe checkpoints of a ZeRO-1 run, resharded on load, resumed bit-exact.
+checkpoint.py - sharded, asynchronous, crash-safe checkpoints of a ZeRO-1 run, resumed on any
+number of ranks: bit-exact on as many as wrote them.
 
-A killed run must continue exactly where it stopped. ZeRO-1 shards the optimizer state (rank r owns 1/N of the flat fp32
-params and AdamW moments), so the checkpoint is sharded too. The naive save (--naive) writes on the training thread,
-which waits for the disk; the real one copies to CPU memory and a thread writes while training goes on (CheckFreq).
+A killed run must continue exactly where it stopped. ZeRO-1 shards the optimizer state (rank r
+owns 1/N of the flat fp32 params and AdamW moments), so the checkpoint is sharded too. The naive
+save (--naive) writes on the training thread, which waits for the disk; the real one copies to
+host memory and a thread writes while training goes on (CheckFreq, section 4).
 
-    rank 0  training [ step S-1 ]snapshot S[ step S ][ step S+1 ]      snapshot: my slices -> CPU (the step waits)
-            writer             [ write S ](gather....)[ commit S ]     --naive: all of it before step S starts
-    rank 1  training [ step S-1 ]snapshot S[ step S ][ step S+1 ]      commit: rank 0 renames manifest.json into place
-            writer             [ write S    ](gather.)
+  rank 0  training [ step S-1 ]snap S[ step S ][ step S+1 ]   snap: my slices -> host (step waits)
+          writer            [ write S ](gather..)[commit S]   --naive: all of it before step S
+  rank 1  training [ step S-1 ]snap S[ step S ][ step S+1 ]   commit: rank 0 renames manifest.json
+          writer            [ write S    ](gather)            into place, last
 
-    who writes what   rank r: step_S/rankR-of-N.pt = [r*L, (r+1)*L) of params, exp_avg, exp_avg_sq (L = ceil(P/N)), its
-                      RNG, the data position; rank 0, after an all-gather of every (bytes, crc32): step_S/manifest.json,
-                      last. Each file: .tmp, fsync, rename, fsync the directory. No manifest: never happened (skipped).
-    resharding N->M   reader r needs [r*L', (r+1)*L'), L' = ceil(P/M): the shards that overlap it (the manifest's global
-                      [lo, hi)), its RNG from old rank r. Bit-exact when M = N, ~1e-7 otherwise (fp32 sums).
-    who sums what     the gradient: reduce-scatter SUM over the N ranks, then each rank divides its slice by N (a mean);
-                      the clip norm: every slice's sum of squares, all-reduced (SUM). A checkpoint sums nothing: it copies.
+  who writes   rank r: step_S/rankR-of-N.pt = [r*L, (r+1)*L) of params, exp_avg, exp_avg_sq
+               (L = ceil(P/N)), its RNG, the data position; rank 0, after an all-gather of every
+               (bytes, crc32): manifest.json, last. Each file: .tmp, fsync, rename, fsync the dir.
+  who resumes  the newest commit written with this run's flags (else one line naming the flag)
+               whose shards match their CRC-32s (else the commit before it, saying so). Rank r of
+               M reads [r*L', (r+1)*L'), L' = ceil(P/M), from the shards that overlap it.
+  who sums     the gradient: reduce-scatter SUM over the N ranks, then / N (a mean); its norm:
+               each slice's sum of squares, all-reduced (SUM). A checkpoint sums nothing: it copies.
 
-read first: Zero1.reduce_scatter_grads, SyncCheckpointer.save, write_durably, AsyncCheckpointer.save, read_slices.
+Below the banners: --pinned snapshots; --safe (read retries, corrupt commits renamed aside, --keep,
+--allow-fresh-start, a failed save stops every rank at once); the command line's checks.
+read first: Zero1.reduce_scatter_grads, write_durably, SyncCheckpointer.save,
+AsyncCheckpointer.save, SyncCheckpointer.load_latest, SyncCheckpointer.read_slices.
+
+  torchrun --nproc_per_node=2 checkpoint.py --data data/shakespeare_char --steps 20 \\
+      --batch-size 4 --seq-len 128 --save-every 5 --fail-at 13 \\
+      --ckpt-dir out/ckpt/shards --out out/ckpt
+  python checkpoint.py --data data/shakespeare_char --steps 20 --batch-size 8 --seq-len 128 \\
+      --save-every 5 --ckpt-dir out/ckpt/shards --out out/ckpt      # 1 rank, the same global batch
+print `[rank 1] --fail-at 13: exiting abruptly` (rank 0: one line saying how to continue), then
+  resharding: written by 2 ranks, loaded by 1
+  resumed from step 10
+  ...steps 10-19 (10-12 as the first run printed them)
+  checkpoint: 2 saves of 10.12 MB a rank; write + commit 892.5 ms per save, in a background thread
+  checkpoint: the step was blocked 87.7 ms per save, by the snapshot (--naive: 980.2 ms, by both)
 """
 import glob
 import io
@@ -39,14 +57,15 @@ from gpt2 import all_gather_single, print0, reduce_scatter_single
 
 
 class Zero1:
-    """Every parameter (and .grad) views one flat fp32 vector, 2-D weights first; rank r owns the slice [lo, hi)."""
+    """Every parameter (and .grad) views one flat fp32 vector, 2-D weights first; rank r owns the
+    slice [lo, hi) of it, and AdamW updates that slice only."""
 
     def __init__(self, model, args, ctx, comm):
         self.ctx, self.comm, self.world = ctx, comm, ctx.world
         self.config = dict(model.config.__dict__)
-        named = sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad),  # the tied wte once
-                       key=lambda n_p: n_p[1].dim() < 2)  # so a slice is <= 1 decayed + 1 non-decayed piece
-        self.numel = sum(p.numel() for _, p in named)
+        named = sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad),
+                       key=lambda n_p: n_p[1].dim() < 2)  # a slice: <= 1 decayed + 1 other piece
+        self.numel = sum(p.numel() for _, p in named)  # the tied wte counted once
         self.n_decay = sum(p.numel() for _, p in named if p.dim() >= 2)
         self.shard = -(-self.numel // self.world)  # ceil: pad so every rank holds an equal slice
         self.flat = torch.zeros(self.shard * self.world, device=ctx.device, dtype=torch.float32)
@@ -55,42 +74,51 @@ class Zero1:
         for name, p in named:
             self.flat[off: off + p.numel()].copy_(p.detach().reshape(-1))
             p.data = self.flat[off: off + p.numel()].view_as(p)
-            p.grad = self.grad[off: off + p.numel()].view_as(p)  # backward accumulates in place into the flat buffer
+            p.grad = self.grad[off: off + p.numel()].view_as(p)  # backward adds into self.grad
             self.layout.append([name, list(p.shape), off])
             off += p.numel()
-        self.lo, self.hi = ctx.rank * self.shard, min((ctx.rank + 1) * self.shard, self.numel)  # real, unpadded
-        self.grad_shard = self.grad if self.world == 1 else torch.zeros_like(self.grad[:self.shard])  # my reduced slice
-        self.pieces = [(a, b, wd) for a, b, wd in ((self.lo, min(self.hi, self.n_decay), args.weight_decay),
-                                                   (max(self.lo, self.n_decay), self.hi, 0.0)) if a < b]
-        self.params = [torch.nn.Parameter(self.flat[a:b]) for a, b, _ in self.pieces]  # views: AdamW writes into flat
+        self.lo = ctx.rank * self.shard
+        self.hi = min((ctx.rank + 1) * self.shard, self.numel)  # real, unpadded
+        # my reduced slice (one rank: the whole gradient)
+        self.grad_shard = self.grad if self.world == 1 else torch.zeros_like(self.grad[:self.shard])
+        decayed = (self.lo, min(self.hi, self.n_decay), args.weight_decay)
+        other = (max(self.lo, self.n_decay), self.hi, 0.0)
+        self.pieces = [(a, b, wd) for a, b, wd in (decayed, other) if a < b]
+        # views: AdamW writes into flat
+        self.params = [torch.nn.Parameter(self.flat[a:b]) for a, b, _ in self.pieces]
         for p, (a, b, _) in zip(self.params, self.pieces):
             p.grad = self.grad_shard[a - self.lo: b - self.lo]
-        self.optimizer_groups = [{"params": [p], "weight_decay": wd} for p, (_, _, wd) in zip(self.params, self.pieces)]
+        self.optimizer_groups = [{"params": [p], "weight_decay": wd}
+                                 for p, (_, _, wd) in zip(self.params, self.pieces)]
 
-    def reduce_scatter_grads(self):  # sum the full gradients over ranks, keep my slice, divide: the mean
+    def reduce_scatter_grads(self):  # sum the gradients over ranks, keep my slice, divide: the mean
         if self.world > 1:
             reduce_scatter_single(self.grad_shard, self.grad)  # SUM: gloo has no AVG
             self.grad_shard.div_(self.world)
             self.comm.reduce_scatter(self.grad.numel() * 4, self.world)
 
-    def clip_global_grad_norm(self, max_norm):  # my slice's sum of squares, all-reduced: the squared global norm
+    def grad_norm(self):  # my slice's sum of squares, all-reduced: the global norm, before any clip
         sq = self.grad_shard.square().sum()
         if self.world > 1:
             dist.all_reduce(sq)
             self.comm.all_reduce(4, self.world)
-        self.grad_shard.mul_((max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0))  # as clip_grad_norm_
+        return sq.sqrt()
+
+    def clip_grads(self, norm, max_norm):  # torch's clip_grad_norm_: x min(1, max / (norm + 1e-6))
+        self.grad_shard.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
 
     def all_gather_params(self):  # every rank's updated slice to every rank, in place
         if self.world > 1:
-            all_gather_single(self.flat, self.flat[self.ctx.rank * self.shard: (self.ctx.rank + 1) * self.shard])
+            mine = self.flat[self.ctx.rank * self.shard: (self.ctx.rank + 1) * self.shard]
+            all_gather_single(self.flat, mine)
             self.comm.all_gather(self.flat.numel() * 4, self.world)
 
 
-def write_durably(path, data):  # path.tmp, fsync, rename to path, fsync the directory -> (bytes, crc32)
+def write_durably(path, data):  # path.tmp, fsync, rename to path, fsync the dir -> (bytes, crc32)
     with open(path + ".tmp", "wb") as f:
         f.write(data)  # releases the GIL on a large buffer: training goes on meanwhile
         f.flush()
-        os.fsync(f.fileno())  # the bytes on disk before the name: a crash never leaves `path` half-written
+        os.fsync(f.fileno())  # the bytes on disk before the name: `path` is never half-written
     os.replace(path + ".tmp", path)  # atomic: path is the old file or the new one, never a mix
     fsync_dir(os.path.dirname(path))  # the rename itself durable
     return len(data), zlib.crc32(data)  # crc32 catches flipped bits and torn writes (not tampering)
@@ -102,104 +130,218 @@ def fsync_dir(path):  # makes a rename in the directory durable, not only the fi
     os.close(fd)
 
 
+def read_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class CorruptCheckpoint(Exception):
+    """A commit that cannot be used as written: a shard missing, or its bytes not the ones the
+    manifest lists (a flipped bit, a torn write), or (--safe) a malformed manifest."""
+
+
+def check_bytes(path, data, shard):  # the bytes read against the manifest's (bytes, crc32)
+    if len(data) != shard["bytes"]:
+        raise CorruptCheckpoint(f"{path} holds {len(data)} bytes, the manifest lists "
+                                f"{shard['bytes']}")
+    if zlib.crc32(data) != shard["crc32"]:
+        raise CorruptCheckpoint(f"{path} fails its CRC-32 (read crc32 {zlib.crc32(data):08x}, the "
+                                f"manifest lists {shard['crc32']:08x})")
+
+
+def mismatched_flags(man, args, zero, world):
+    """[(flag, the checkpoint's value, ours)] for each flag whose value differs from the run that
+    wrote the checkpoint. Another world size with the same global batch is not one: that is
+    resharding."""
+    named, ours = {"n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd"}, zero.config
+    diff = [(named[k], f"{named[k]} {v}", f"{named[k]} {ours.get(k)}")
+            for k, v in man["config"].items() if k in named and ours.get(k) != v]
+    diff += [("--data" if "vocab" in k or k == "chars" else "--model", f"{k}={v!r:.24}",
+              f"{k}={ours.get(k)!r:.24}")
+             for k, v in man["config"].items() if k not in named and ours.get(k) != v]
+    if not diff and man["layout"] != zero.layout:
+        diff.append(("--model", "another parameter layout", "this model's"))
+    schedule = {"lr": args.lr, "warmup": args.warmup, "steps": args.steps}
+    diff += [(f"--{k}", f"--{k} {man['schedule'][k]}", f"--{k} {v}") for k, v in schedule.items()
+             if man["schedule"][k] != v]
+    if man["seq_len"] != args.seq_len:
+        diff.append(("--seq-len", f"--seq-len {man['seq_len']}", f"--seq-len {args.seq_len}"))
+    batch = world * args.batch_size * args.grad_accum
+    if man["global_batch"] != batch:
+        ranks = f"{world} rank{'s' * (world > 1)}"
+        diff.append(("--batch-size", f"a global batch of {man['global_batch']}",
+                     f"a global batch of {batch} ({ranks} x --batch-size {args.batch_size} x "
+                     f"--grad-accum {args.grad_accum})"))
+    return diff
+
+
+def refuse_another_run(man, d, args, zero, world):  # a resume continues the run that wrote d
+    diff = mismatched_flags(man, args, zero, world)
+    if diff:
+        flags = " ".join(dict.fromkeys(f for f, _, _ in diff))  # each flag once
+        gpt2.fail(f"{d} was written with {' '.join(a for _, a, _ in diff)}, this run has "
+                  f"{' '.join(b for _, _, b in diff)}", flags,
+                  "resume with the checkpoint's values (another world size with the same global "
+                  "batch is fine), or give another --ckpt-dir")
+
+
 class SyncCheckpointer:
-    """The naive save (--naive): all on the training thread, which waits for the disk. And the load all share."""
+    """The naive save (--naive): all on the training thread, which waits for the disk. And what
+    every checkpointer shares: the commit, the verified load, the resume, --fail-at."""
 
     def __init__(self, args, ctx, zero, timeline):
         self.args, self.ctx, self.zero, self.timeline = args, ctx, zero, timeline
-        self.ms = {"blocked": [], "write": []}  # per save: how long the step waited, how long write + commit took
-        # the writer's own gloo group: collectives on a group come in one order on all ranks; the trainer's differs
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)) if ctx.world > 1 else None
+        self.ms = {"blocked": [], "write": []}  # per save: how long the step waited; write + commit
+        self.shard_mb = 0.0  # this rank's file of the last save
+        # the writer's spans: a writer thread records no CUDA event (it would time the stream, not
+        # the disk, and open a context on GPU 0): drawn where the timeline's clock is the host's
+        self.io = timeline if ctx.device.type == "cpu" else gpt2.Timeline(ctx, record_step=-1)
+        # the writer's own gloo group: collectives of a group come in one order on all ranks, and
+        # the training thread's come in another
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)) \
+            if ctx.world > 1 else None
 
-    def after_step(self, step, opt, loader):
+    def after_step(self, step, opt, loader):  # `step` updates done: save on schedule; --fail-at
         if self.args.save_every and (step % self.args.save_every == 0 or step == self.args.steps):
             t0 = time.perf_counter()
-            self.save(step, opt, loader)  # the state *after* step - 1: a resume runs step next
+            self.save(step, opt, loader)  # the state after `step` updates: a resume runs it next
             self.ms["blocked"].append(1e3 * (time.perf_counter() - t0))
+        if step == self.args.fail_at:
+            self.crash(step)
 
-    def save(self, step, opt, loader):  # the naive way: training goes on once the checkpoint is committed
+    def crash(self, step):  # the last rank dies as a node would (on torchrun's first attempt only)
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if self.ctx.rank == self.ctx.world - 1 and first_attempt:
+            self.wait()  # its save in flight committed first: a resume finds the commit it expects
+            print(f"[rank {self.ctx.rank}] --fail-at {step}: exiting abruptly", flush=True)
+            os._exit(1)
+
+    def save(self, step, opt, loader):  # the naive way: training goes on once the save is committed
         self.write_and_commit(step, *self.snapshot(step, opt, loader))
 
     def wait(self):  # nothing in flight: save() returned after the commit
         pass
 
-    def snapshot(self, step, opt, loader):  # what a resume needs, on the CPU, before the next step changes it
+    def snapshot(self, step, opt, loader):  # what a resume needs, on the host, before the next step
         z = self.zero
         with self.timeline.compute(f"snapshot {step}", "io"):
-            out = {"params": z.flat[z.lo: z.hi]} | {k: torch.cat([opt.state[p][k] for p in z.params]) for k in
-                                                    ("exp_avg", "exp_avg_sq")}
-            out = {k: v.to("cpu", copy=True) for k, v in out.items()} | {"rng_cpu": torch.get_rng_state()}  # copies
+            moments = {k: torch.cat([opt.state[p][k] for p in z.params])
+                       for k in ("exp_avg", "exp_avg_sq")}
+            out = {"params": z.flat[z.lo: z.hi]} | moments
+            out = {k: v.to("cpu", copy=True) for k, v in out.items()}  # copies, not views
+            out["rng_cpu"] = torch.get_rng_state()
             if self.ctx.device.type == "cuda":
                 out["rng_cuda"] = torch.cuda.get_rng_state(self.ctx.device)
-        return out, {"step": step, "rank": z.ctx.rank, "world": z.world, "lo": z.lo, "hi": z.hi, "loader": loader.state_dict()}
+        return out, {"step": step, "rank": z.ctx.rank, "world": z.world, "lo": z.lo, "hi": z.hi,
+                     "loader": loader.state_dict()}
 
-    def write_and_commit(self, step, tensors, meta):  # every rank's shard durable, then rank 0 commits
+    def write_and_commit(self, step, tensors, meta):  # every rank's shard durable, then the commit
         t0, d = time.perf_counter(), os.path.join(self.args.ckpt_dir, f"step_{step:06d}")
-        with self.timeline.compute(f"write {step}", "io"):
+        with self.io.compute(f"write {step}", "io"):
             report = self.write(d, tensors, meta)
-        with self.timeline.compute("gather", "all_gather"):  # every rank's (bytes, crc32) to every rank
+        with self.io.compute("gather", "all_gather"):  # every rank's (bytes, crc32) to every rank
             reports = report.repeat(self.ctx.world, 1)
             if self.group is not None:  # returns once every shard is durable
                 all_gather_single(reports.view(-1), report, group=self.group)
         if self.ctx.master:
-            with self.timeline.compute(f"commit {step}", "io"):
+            with self.io.compute(f"commit {step}", "io"):
                 self.commit(step, d, reports, meta["loader"])
-        self.ms["write"].append(1e3 * (time.perf_counter() - t0))
+        if self.group is not None:  # every rank's writer returns after the commit
+            dist.barrier(group=self.group)
+        gpt2.RUN["resume"] = self.resume_hint(step)  # what a Ctrl-C or a lost peer prints
+        self.ms["write"].append(1e3 * (time.perf_counter() - t0))  # the host clock, as the disk's
+        self.shard_mb = int(report[0]) / 1e6
 
     def write(self, d, tensors, meta):  # this rank's shard, durable -> [bytes, crc32]
         os.makedirs(d, exist_ok=True)
         torch.save(tensors | {"meta": meta}, buf := io.BytesIO())
-        out = write_durably(os.path.join(d, f"rank{self.ctx.rank:05d}-of-{self.ctx.world:05d}.pt"), buf.getbuffer())
-        fsync_dir(self.args.ckpt_dir)  # the step directory's own entry: another node's rank may have made it
+        path = os.path.join(d, f"rank{self.ctx.rank:05d}-of-{self.ctx.world:05d}.pt")
+        out = write_durably(path, buf.getbuffer())
+        fsync_dir(self.args.ckpt_dir)  # the step directory's entry: another node's rank may make it
         return torch.tensor(out, dtype=torch.int64)
 
-    def commit(self, step, d, reports, loader_state):  # rank 0, every shard durable: the manifest, last
+    def commit(self, step, d, reports, loader_state):  # rank 0, every shard durable: the manifest
         z, W, a = self.zero, self.ctx.world, self.args
-        shards = [{"file": f"rank{r:05d}-of-{W:05d}.pt", "lo": r * z.shard, "hi": min((r + 1) * z.shard, z.numel),
-                   "bytes": nbytes, "crc32": crc} for r, (nbytes, crc) in enumerate(reports.tolist())]
-        manifest = {"format": 3, "step": step, "world": W, "numel": z.numel, "config": z.config, "layout": z.layout,
+        shards = [{"file": f"rank{r:05d}-of-{W:05d}.pt", "lo": r * z.shard,
+                   "hi": min((r + 1) * z.shard, z.numel), "bytes": nbytes, "crc32": crc}
+                  for r, (nbytes, crc) in enumerate(reports.tolist())]
+        manifest = {"format": 3, "step": step, "world": W, "numel": z.numel, "config": z.config,
+                    "layout": z.layout,
                     "schedule": {"lr": a.lr, "warmup": a.warmup, "steps": a.steps},
-                    "global_batch": W * a.batch_size * a.grad_accum, "seq_len": a.seq_len, "loader": loader_state, "shards": shards}
+                    "global_batch": W * a.batch_size * a.grad_accum, "seq_len": a.seq_len,
+                    "loader": loader_state, "shards": shards}
         write_durably(os.path.join(d, "manifest.json"), json.dumps(manifest).encode())
-        gpt2.RUN["resume"] = self.resume_hint(step)  # what a Ctrl-C prints
 
-    def load_latest(self, opt, loader):  # the newest committed checkpoint (one with manifest.json), or step 0
-        for d in sorted(glob.glob(os.path.join(self.args.ckpt_dir, "step_" + "[0-9]" * 6)), reverse=True):
-            if os.path.exists(os.path.join(d, "manifest.json")):  # newest first; uncommitted ones are skipped
-                man = json.loads(open(os.path.join(d, "manifest.json")).read())
+    def load_latest(self, opt, loader):
+        """The newest commit (a step directory holding manifest.json) written with this run's flags
+        whose shards verify, into the weights, AdamW, the RNGs and the loader. Returns its step, or
+        0 when there is none."""
+        skipped = []  # (step, why): commits with a shard this rank found corrupt or missing
+        steps = glob.glob(os.path.join(self.args.ckpt_dir, "step_" + "[0-9]" * 6))
+        for d in sorted(steps, reverse=True):  # newest first
+            if not os.path.exists(os.path.join(d, "manifest.json")):
+                continue  # a save that never committed
+            man = json.loads(read_bytes(os.path.join(d, "manifest.json")))
+            refuse_another_run(man, d, self.args, self.zero, self.ctx.world)  # before any loading
+            try:
+                slices, rng = self.read_slices(man, d)
+            except CorruptCheckpoint as e:
+                skipped, slices = skipped + [(man["step"], str(e))], None
+            if gpt2.agree(slices is not None):  # every rank verified its part: all resume, or none
+                for step, why in skipped:  # the rank that found it says so
+                    print(f"checkpoint step {step}: {why}: skipped, left in place", flush=True)
+                self.resume(man, slices, rng, opt, loader)
                 gpt2.RUN["resume"] = self.resume_hint(man["step"])
-                return self.resume(man, *self.read_slices(man, d), opt, loader)
+                if man["world"] != self.ctx.world:
+                    print0(f"resharding: written by {man['world']} ranks, loaded by "
+                           f"{self.ctx.world}")
+                print0(f"resumed from step {man['step']}")
+                return man["step"]
+        if not gpt2.agree(not skipped):  # commits exist, none verifies: stop, every file in place
+            step, why = skipped[0] if skipped else ("?", "another rank found a shard corrupt")
+            gpt2.fail(f"checkpoint step {step}: {why}, and no older commit verifies", "--ckpt-dir",
+                      "restore the file from a copy, or give another --ckpt-dir and --out to start "
+                      "over", local=bool(skipped))
         return 0
 
-    def resume_hint(self, step):  # what a Ctrl-C or a lost peer prints: the command that continues this run
+    def resume_hint(self, step):  # what a Ctrl-C or a lost peer prints: the command that goes on
         local, world = os.environ.get("LOCAL_WORLD_SIZE", "1"), str(self.ctx.world)
-        launch = "python" if world == "1" else f"torchrun --nproc_per_node={local}{' (and your --nnodes)' * (local != world)}"
-        return f"step {step} is committed in {self.args.ckpt_dir}; continue with: {launch} {shlex.join(sys.argv)}"
+        launch = "python" if world == "1" else \
+            f"torchrun --nproc_per_node={local}{' (and your --nnodes)' * (local != world)}"
+        return (f"step {step} is committed in {self.args.ckpt_dir}; continue with: {launch} "
+                f"{shlex.join(sys.argv)}")
 
-    def read_shard(self, path):  # {"params", "exp_avg", "exp_avg_sq", "rng_cpu", ("rng_cuda",) "meta"}
-        return torch.load(path, weights_only=True)
+    def read_shard(self, d, shard):  # its tensors, once its bytes are the ones the manifest lists
+        path = os.path.join(d, shard["file"])
+        if not os.path.exists(path):
+            raise CorruptCheckpoint(f"{path} is missing")
+        data = read_bytes(path)
+        check_bytes(path, data, shard)
+        return torch.load(io.BytesIO(data), weights_only=True)
 
     def read_slices(self, man, d):
-        """My slices [lo, hi) from any number of writers: the overlapping shards, and my rank's for the RNG."""
+        """My slices [lo, hi) from any number of writers: the overlapping shards, and my rank's for
+        the RNG. Raises CorruptCheckpoint before anything is loaded."""
         z, rng = self.zero, {}
         out = {k: torch.empty(z.hi - z.lo) for k in ("params", "exp_avg", "exp_avg_sq")}
         for r, sh in enumerate(man["shards"]):
             a, b = max(sh["lo"], z.lo), min(sh["hi"], z.hi)
             if a < b or r == self.ctx.rank:
-                tensors = self.read_shard(os.path.join(d, sh["file"]))
+                tensors = self.read_shard(d, sh)
                 for k in out if a < b else ():
                     out[k][a - z.lo: b - z.lo] = tensors[k][a - sh["lo"]: b - sh["lo"]]
-                if r == self.ctx.rank:  # a rank that did not exist in the old world keeps its seeded RNG
+                if r == self.ctx.rank:  # a rank new to the old world keeps its seeded RNG
                     rng = {k: tensors[k] for k in ("rng_cpu", "rng_cuda") if k in tensors}
         return out, rng
 
-    def resume(self, man, slices, rng, opt, loader):  # my slices into the weights and AdamW; RNG and loader
+    def resume(self, man, slices, rng, opt, loader):  # my slices into the weights, AdamW; RNG; data
         z, step = self.zero, man["step"]
         z.flat[z.lo: z.hi].copy_(slices["params"])  # flat is a plain tensor: no autograd to bypass
         z.all_gather_params()  # everyone's slice to everyone: the full weights again
         sd = opt.state_dict()  # AdamW's bias correction counts the steps
-        sd["state"] = {i: {"step": torch.tensor(float(step))} | {k: slices[k][lo - z.lo: hi - z.lo] for k in
-                       ("exp_avg", "exp_avg_sq")} for i, (lo, hi, _) in enumerate(z.pieces)}
+        sd["state"] = {i: {"step": torch.tensor(float(step))} | {
+            k: slices[k][lo - z.lo: hi - z.lo] for k in ("exp_avg", "exp_avg_sq")}
+            for i, (lo, hi, _) in enumerate(z.pieces)}
         opt.load_state_dict(sd)
         if "rng_cpu" in rng:
             torch.set_rng_state(rng["rng_cpu"])
@@ -210,24 +352,55 @@ class SyncCheckpointer:
 
 
 class AsyncCheckpointer(SyncCheckpointer):
-    """The real save (CheckFreq, section 4): the step waits for the snapshot only; a thread writes and commits."""
-    thread = None
+    """The real save (CheckFreq, section 4): the step waits for the snapshot only; a thread writes
+    and commits."""
+    thread = failure = None
 
     def save(self, step, opt, loader):
         self.wait()  # a new save waits for the previous one
-        self.thread = threading.Thread(target=self.write_and_commit, args=(step, *self.snapshot(step, opt, loader)),
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.write_in_background,
+                                       args=(step, *self.snapshot(step, opt, loader)), daemon=True)
         self.thread.start()
 
-    def wait(self):
+    def write_in_background(self, step, tensors, meta):  # the writer thread
+        if self.ctx.device.type == "cuda":
+            torch.cuda.set_device(self.ctx.device)  # per thread: a new one would start on GPU 0
+        try:
+            self.write_and_commit(step, tensors, meta)
+        except OSError as e:  # the disk: one line, on the training thread at its next wait()
+            self.failure = gpt2.UsageError(
+                f"checkpoint save of step {step} failed on rank {self.ctx.rank}: {e}", "--ckpt-dir",
+                "fix it (space, permissions) and relaunch to resume from the last commit",
+                local=True)
+        except RuntimeError as e:  # a lost peer (the writer's gloo group): run_main's one line
+            self.failure = e
+
+    def wait(self):  # the save in flight committed on every rank, or its failure raised here
         if self.thread is not None:
             self.thread.join()
             self.thread = None
+        if self.failure is not None:
+            raise self.failure
+
+
+def closing_lines(ckpt, metrics):  # the payoff: how long a save held the training step
+    if ckpt is None or not ckpt.ms["blocked"]:
+        print0("checkpoint: no save (give --ckpt-dir DIR --save-every N)")
+        return metrics.log_summary({"saves": 0})
+    n, (blocked, write) = len(ckpt.ms["blocked"]), (sum(v) / len(v) for v in ckpt.ms.values())
+    thread = isinstance(ckpt, AsyncCheckpointer)
+    print0(f"checkpoint: {n} save{'s' * (n > 1)} of {ckpt.shard_mb:.2f} MB a rank; write + commit "
+           f"{write:.1f} ms per save, {'in a background' if thread else 'on the training'} thread")
+    print0(f"checkpoint: the step was blocked {blocked:.1f} ms per save, " + (
+        f"by the snapshot (--naive: {blocked + write:.1f} ms, by both)" if thread else
+        "by all of it (without --naive: the snapshot)"))
+    metrics.log_summary({"saves": n, "shard_mb": ckpt.shard_mb, "write_ms": write,
+                         "blocked_ms": blocked, "background": thread})
 
 
 def train(args, Checkpointer=AsyncCheckpointer):
     """gpt2.train's loop on ZeRO-1, resumed from and saved to --ckpt-dir."""
-    ctx = gpt2.setup(args, resumes=True)  # a run continues in its --out (cli() refuses an unrelated one)
+    ctx = gpt2.setup(args, resumes=True)  # a run continues in its --out (cli() refuses another)
     comm = gpt2.CommMeter()
     model = gpt2.build_model(args).to(ctx.device)
     zero = Zero1(model, args, ctx, comm)
@@ -236,9 +409,11 @@ def train(args, Checkpointer=AsyncCheckpointer):
     timeline, k = gpt2.Timeline(ctx), args.save_every if args.ckpt_dir else 0
     ckpt = Checkpointer(args, ctx, zero, timeline) if args.ckpt_dir else None
     start = ckpt.load_latest(opt, train_loader) if ckpt else 0
-    timeline.record_step = -(-(start + 2) // k) * k - 1 if k else start + 1  # a step that ends with a save (not the first)
+    comm.take_mb()  # the resume's all-gather is not a training step's traffic
+    # the step drawn: one that ends with a save (not the first)
+    timeline.record_step = -(-(start + 2) // k) * k - 1 if k else start + 1
     fwd = torch.compile(model) if args.compile else model
-    tokens = ctx.world * args.batch_size * args.seq_len * args.grad_accum  # metrics.jsonl keeps the curve before start
+    tokens = ctx.world * args.batch_size * args.seq_len * args.grad_accum
     metrics = gpt2.Metrics(args, ctx, model.config, model.num_params(), tokens, resume_step=start)
     profiler = gpt2.Profiler(args, ctx)
 
@@ -248,7 +423,7 @@ def train(args, Checkpointer=AsyncCheckpointer):
 
     for step in range(start, args.steps):
         if step == timeline.record_step:
-            timeline.start_step(step)  # once: it records on, over the steps the save's write and commit overlap
+            timeline.start_step(step)  # once: it records on, over the steps the write overlaps
         elif timeline.on and step > timeline.record_step + 1 and (not k or ckpt.ms["write"]):
             timeline.stop()  # one more step drawn, and that save is committed
         profiler.step(step)
@@ -256,8 +431,9 @@ def train(args, Checkpointer=AsyncCheckpointer):
         t0, lr = timeline.now(), gpt2.set_lr(opt, step, args)
         loss_sum = gpt2.accumulate_grads(loss_fn, train_loader, args, ctx.device)
         zero.reduce_scatter_grads()
+        norm = zero.grad_norm()  # before clipping: what metrics.jsonl records
         if args.grad_clip > 0:
-            zero.clip_global_grad_norm(args.grad_clip)
+            zero.clip_grads(norm, args.grad_clip)
         opt.step()
         zero.all_gather_params()
         zero.grad.zero_()  # never set_to_none: the .grad views must keep pointing into zero.grad
@@ -265,42 +441,57 @@ def train(args, Checkpointer=AsyncCheckpointer):
             dist.all_reduce(loss_sum)
             comm.all_reduce(4, ctx.world)
         timeline.comm_span(f"step {step}", t0, "compute")
-        loss_val = (loss_sum / ctx.world).item()
-        gpt2.check_finite(loss_val, step)
+        loss, norm = torch.stack([loss_sum / ctx.world, norm]).tolist()  # the step's one host sync
+        gpt2.check_finite(loss, step)
         if ckpt:
             ckpt.after_step(step + 1, opt, train_loader)  # saves on schedule
-        metrics.log_step(step, loss_val, lr, comm_mb=comm.take_mb())
+        metrics.log_step(step, loss, lr, comm_mb=comm.take_mb(), grad_norm=norm)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             model.eval()
             metrics.log_val(step, gpt2.evaluate(loss_fn, val_loader, args.eval_steps, ctx.device))
             model.train()
-    if ckpt and ckpt.ms["blocked"]:
+    if ckpt:
         ckpt.wait()  # the last save commits before the run ends
-        b, w = (sum(v) / max(len(v), 1) for v in ckpt.ms.values())  # ms per save: the step blocked; write + commit
-        print0(f"saving blocked the training step {b:.1f} ms per save: " + (f"the snapshot (and any wait for the last "
-               f"save); write + commit took {w:.1f} ms in a thread, --naive blocks for both: {b + w:.1f} ms" if isinstance(
-                   ckpt, AsyncCheckpointer) else f"--naive; asynchronous, only the snapshot would: {b - w:.1f} ms"))
-    timeline.save(os.path.join(args.out, "timeline.png"), "training steps (upper); a save: snapshot, write, gather, commit")
+    closing_lines(ckpt, metrics)
+    timeline.save(os.path.join(args.out, "timeline.png"),
+                  "training steps (upper); a save: snapshot, write, gather, commit")
     metrics.plot()
 
 
 def make_parser():
-    p = gpt2.make_parser("GPT-2 on ZeRO-1 with sharded, asynchronous, crash-safe checkpoints and resharding resume.")
-    p.add_argument("--ckpt-dir", help="checkpoint directory; the newest committed checkpoint in it is resumed")
-    p.add_argument("--save-every", type=int, default=0, help="save every N steps, and after the last (0 = never)")
-    p.add_argument("--naive", action="store_true", help="save synchronously: the training step waits for the disk")
+    p = gpt2.make_parser("GPT-2 on ZeRO-1 with sharded, asynchronous, crash-safe checkpoints and "
+                         "resharding resume.")
+    p.add_argument("--ckpt-dir", help="checkpoint directory; the newest commit in it is resumed")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="save every N steps, and after the last (0 = never)")
+    p.add_argument("--naive", action="store_true",
+                   help="save synchronously: the training step waits for the disk")
+    p.add_argument("--fail-at", type=int, default=-1,
+                   help="a crash: after this many steps (and its save in flight committed) the "
+                        "last rank exits, on torchrun's first attempt only; -1 = never")
     return p
+
+
+def check_ckpt_flags(args):  # flags that act only with a directory to save into, or saves
+    for flag, given in (("--save-every", args.save_every), ("--fail-at", args.fail_at != -1)):
+        if given and not args.ckpt_dir:
+            gpt2.fail(f"{flag} without a directory to save into", "--ckpt-dir",
+                      "add --ckpt-dir DIR")
+    if args.naive and not args.save_every:
+        gpt2.fail("--naive without --save-every: nothing would be saved", "--naive",
+                  "add --save-every N, or drop --naive")
 
 
 def main(argv=None):  # the core alone; the file's entry point is cli() (its checks, its extensions)
     args = make_parser().parse_args(argv)  # gpt2.setup checks the shared flags
+    check_ckpt_flags(args)
     train(args, SyncCheckpointer if args.naive else AsyncCheckpointer)
 
 
 # ---- Beyond the core ----
 # PinnedSnapshots (--pinned): the snapshot into reused pinned host buffers, queued on the GPU's stream (CheckFreq
 # section 4). SafeCheckpointer (--safe, pinned too): finite weights before a snapshot, a failure handshake, --keep,
-# read retries, CRC-32 verdicts, corrupt checkpoints set aside, --allow-fresh-start, --fail-at. cli() picks them.
+# read retries, a malformed manifest or corrupt shard set aside (the core only skips it), --allow-fresh-start.
 import shutil  # noqa: E402  (the extensions' only import)
 # Elastic restarts: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --max-restarts 3 --nproc_per_node=8
 # checkpoint.py ... restarts the job from the last commit when a worker dies (a fresh TCPStore per attempt:
@@ -335,11 +526,6 @@ class PinnedSnapshots(AsyncCheckpointer):
         return super().write(d, tensors, meta)
 
 
-class CorruptCheckpoint(Exception):
-    """A shard whose size or CRC-32 differs from the manifest's, or a malformed manifest: the only two
-    verdicts that make a checkpoint unusable. It is then renamed aside (step_N.corrupt), never deleted."""
-
-
 class Uncommitted(Exception):
     """A step directory without manifest.json: a save that never finished. Skipped and left in place."""
 
@@ -352,11 +538,6 @@ READ_TRIES, READ_BACKOFF_S = 3, 0.5  # a shared filesystem's hiccups (failover, 
 OK, UNCOMMITTED, CORRUPT, MISMATCH, UNREADABLE = range(5)  # a rank's verdict on one candidate; worst wins
 MANIFEST = {"format": int, "step": int, "world": int, "numel": int, "config": dict, "layout": list, "schedule": dict,
             "global_batch": int, "seq_len": int, "loader": dict, "shards": list}
-
-
-def read_bytes(path):
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def parse_shard(data):  # a shard's bytes -> its tensors and "meta"
@@ -420,25 +601,6 @@ def read_manifest(d, step):
     return man
 
 
-def resume_mismatch(man, args, zero, world):
-    """The flags whose values differ from the checkpoint's: [(flag, theirs, ours)]. A different world
-    size with the same global batch is not among them: that is resharding."""
-    flag_of = {"n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd"}
-    diff = [(flag_of.get(k, "--model"), f"{k}={v}", f"{k}={zero.config.get(k)}")
-            for k, v in man["config"].items() if zero.config.get(k) != v]
-    if not diff and man["layout"] != zero.layout:
-        diff.append(("--model", "another parameter layout", "this model's"))
-    ours = {"lr": args.lr, "warmup": args.warmup, "steps": args.steps}
-    diff += [(f"--{k}", man["schedule"][k], v) for k, v in ours.items() if man["schedule"][k] != v]
-    gb = world * args.batch_size * args.grad_accum
-    if man["global_batch"] != gb:
-        diff.append(("--batch-size/--grad-accum", f"global batch {man['global_batch']}",
-                     f"global batch {gb} = {world} ranks x {args.batch_size} x {args.grad_accum}"))
-    if man["seq_len"] != args.seq_len:
-        diff.append(("--seq-len", man["seq_len"], args.seq_len))
-    return diff
-
-
 def worst_verdict(verdict, ctx):
     """The worst verdict over the ranks, and the lowest rank that reached it: one all-reduce of
     verdict * world + (world - 1 - rank), MAX."""
@@ -467,13 +629,6 @@ class SafeCheckpointer(PinnedSnapshots):
         if failed:
             self.raise_failure()
         super().after_step(step, opt, loader)
-        self.fail_at(step)
-
-    def fail_at(self, step):
-        if step == self.args.fail_at and self.ctx.rank == self.ctx.world - 1 and \
-                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-            print(f"[rank {self.ctx.rank}] --fail-at {step}: exiting abruptly", flush=True)
-            os._exit(1)
 
     def raise_failure(self):
         """The one-line error of a failed save, on every rank. The writer's handshake already told every
@@ -508,7 +663,7 @@ class SafeCheckpointer(PinnedSnapshots):
     def gather_reports(self, report):  # every rank's [bytes, crc32] to every rank, on the writer's group
         reports = report.repeat(self.ctx.world, 1)
         if self.group is not None:
-            with self.timeline.compute("gather", "all_gather"):
+            with self.io.compute("gather", "all_gather"):
                 all_gather_single(reports.view(-1), report, group=self.group)
         return reports
 
@@ -519,7 +674,7 @@ class SafeCheckpointer(PinnedSnapshots):
         try:
             if os.path.exists(os.path.join(d, "manifest.json")):  # never overwrite a committed checkpoint
                 raise FileExistsError(f"{d} already holds a committed checkpoint; not overwritten")
-            with self.timeline.compute(f"write {step}", "io"):
+            with self.io.compute(f"write {step}", "io"):
                 report = self.write(d, tensors, meta)
         except BaseException as e:  # still join the handshake below, so no peer waits for us forever
             report, mine = torch.zeros(2, dtype=torch.int64), f"{e.__class__.__name__}: {e}"
@@ -532,7 +687,7 @@ class SafeCheckpointer(PinnedSnapshots):
             verdict = torch.ones(1, dtype=torch.int64)
             if self.ctx.master:
                 try:
-                    with self.timeline.compute(f"commit {step}", "io"):
+                    with self.io.compute(f"commit {step}", "io"):
                         self.commit(step, d, reports, meta["loader"])
                 except BaseException as e:
                     verdict[0], mine = 0, f"{e.__class__.__name__}: {e}"
@@ -544,6 +699,7 @@ class SafeCheckpointer(PinnedSnapshots):
             self.committed = step
             gpt2.RUN["resume"] = self.resume_hint(step)  # what a Ctrl-C prints, on every rank
             self.ms["write"].append(1e3 * (time.perf_counter() - t0))
+            self.shard_mb = int(report[0]) / 1e6
         except BaseException as e:  # the handshake itself failed (a peer died)
             self.error = (step, f"{e.__class__.__name__}: {e}", True)
 
@@ -563,15 +719,14 @@ class SafeCheckpointer(PinnedSnapshots):
             elif s < newest:
                 shutil.rmtree(step_dir(self.args.ckpt_dir, s), ignore_errors=True)
 
-    def read_shard(self, path):
-        """Read a whole shard with retries, verify size, checksum and metadata against the manifest."""
-        man, data = self.manifest, read_with_retries(path)
-        sh = next(s for s in man["shards"] if s["file"] == os.path.basename(path))
-        if len(data) != sh["bytes"] or zlib.crc32(data) != sh["crc32"]:
-            raise CorruptCheckpoint(f"{path}: size {len(data)} / crc32 {zlib.crc32(data):08x} differ from the "
-                                    f"manifest's {sh['bytes']} / {sh['crc32']:08x}")
+    def read_shard(self, d, sh):
+        """Read a whole shard with retries (a missing one too: a shared filesystem may lag), verify size,
+        checksum and metadata against the manifest."""
+        path = os.path.join(d, sh["file"])
+        data = read_with_retries(path)
+        check_bytes(path, data, sh)
         tensors = parse_shard(data)
-        if tensors["meta"]["lo"] != sh["lo"] or tensors["meta"]["step"] != man["step"]:
+        if tensors["meta"]["lo"] != sh["lo"] or tensors["meta"]["step"] != self.manifest["step"]:
             raise CorruptCheckpoint(f"{path}: its metadata disagrees with the manifest")
         return tensors
 
@@ -579,7 +734,8 @@ class SafeCheckpointer(PinnedSnapshots):
         self.committed = start = self.load_verified(opt, loader)
         gpt2.RUN["resume"] = self.resume_hint(start) if start else \
             f"no checkpoint was committed yet; give a new --out (or delete {self.args.out}) to start over"
-        self.fail_at(start)
+        if start == self.args.fail_at:
+            self.crash(start)
         return start
 
     def load_verified(self, opt, loader):
@@ -603,7 +759,7 @@ class SafeCheckpointer(PinnedSnapshots):
             verdict, why, diff = OK, "", []
             try:
                 man = read_manifest(d, step)
-                diff = resume_mismatch(man, args, self.zero, ctx.world)
+                diff = mismatched_flags(man, args, self.zero, ctx.world)
                 if diff:
                     verdict = MISMATCH
                 else:
@@ -625,10 +781,7 @@ class SafeCheckpointer(PinnedSnapshots):
             if worst == MISMATCH and verdict != MISMATCH:  # a lagging filesystem: rank 0 may not see it yet
                 gpt2.fail(f"rank {who} found {d} written with other flags", "--ckpt-dir", "compare its manifest.json")
             if worst == MISMATCH:  # the manifest is one file: every rank found the same differences
-                gpt2.fail(f"{d} was written with {' '.join(f'{f} {a}' for f, a, _ in diff)}, this run has "
-                          f"{' '.join(f'{f} {b}' for f, _, b in diff)}", " ".join(f for f, _, _ in diff),
-                          "resume with the checkpoint's values (a different world size with the same global batch is "
-                          "fine), or give another --ckpt-dir")
+                refuse_another_run(man, d, args, self.zero, ctx.world)
             if worst == UNCOMMITTED:
                 print0(f"checkpoint step {step} was never committed (no manifest.json): skipped, left in place")
                 continue
@@ -681,11 +834,8 @@ def parse_args(argv=None):
     p.add_argument("--pinned", action="store_true", help="snapshot into reused pinned host buffers, without waiting "
                                                          "for the copies on the training thread")
     p.add_argument("--safe", action="store_true", help="the production checkpointer (pinned too): a failed save stops "
-                   "every rank in one line, loads verify CRC-32s and fall back, --keep, --allow-fresh-start, --fail-at")
+                   "every rank in one line, reads retried, corrupt commits set aside, --keep, --allow-fresh-start")
     p.add_argument("--keep", type=int, help="--safe: committed checkpoints to keep, older ones pruned (default 2)")
-    p.add_argument("--fail-at", type=int, default=-1,
-                   help="--safe, fault injection for tests: the last rank calls os._exit(1) before this step, on "
-                        "torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT=0); -1 = never")
     p.add_argument("--allow-fresh-start", action="store_true",
                    help="--safe: when --ckpt-dir holds checkpoints and none verifies, train from step 0 instead of stopping")
     args = p.parse_args(argv)
@@ -696,18 +846,19 @@ def parse_args(argv=None):
 def check_args(args):
     gpt2.check_args(args)
     gpt2.check_range(args.save_every, "--save-every", 0, todo="give 0 (never) or a number of steps")
-    if args.save_every and not args.ckpt_dir:
-        gpt2.fail("--save-every without a directory to save into", "--ckpt-dir", "add --ckpt-dir DIR")
-    for flag, given in (("--keep", args.keep is not None), ("--fail-at", args.fail_at != -1),
-                        ("--allow-fresh-start", args.allow_fresh_start)):
+    gpt2.check_range(args.fail_at, "--fail-at", -1, todo="give -1 (never) or a step")
+    check_ckpt_flags(args)
+    for flag, given in (("--keep", args.keep is not None), ("--allow-fresh-start", args.allow_fresh_start)):
         if given and not args.safe:
             gpt2.fail(f"{flag} belongs to the --safe checkpointer", flag, f"add --safe, or drop {flag}")
+    if args.pinned and not args.save_every:
+        gpt2.fail("--pinned without --save-every: nothing would be saved", "--pinned",
+                  "add --save-every N, or drop --pinned")
     if args.naive and (args.safe or args.pinned):
         gpt2.fail(f"--naive saves on the training thread; {'--safe' if args.safe else '--pinned'} saves in the "
                   "background", "--naive", "choose one")
     args.keep = 2 if args.keep is None else args.keep
     gpt2.check_range(args.keep, "--keep", 1, todo="keep at least the newest checkpoint")
-    gpt2.check_range(args.fail_at, "--fail-at", -1, todo="give -1 (never) or a step")
     check_world_size(args)
     old = [n for n in ("metrics.jsonl", "model.pt") if os.path.exists(os.path.join(args.out, n))]
     if old and not committed_steps(args.ckpt_dir):  # gpt2.setup(resumes=True) leaves this check to us

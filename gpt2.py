@@ -832,11 +832,23 @@ def raise_terminated(signum, frame):
 def run_main(main, argv=None):
     """Every file's entry point: main(argv), with the project's own errors as one line, printed once.
     Ctrl-C and SIGTERM end in one line too (exit 130, 143); a refused run removes the directories it created."""
-    if threading.current_thread() is threading.main_thread():
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
         signal.signal(signal.SIGTERM, raise_terminated)
     try:
         main(argv)
-    except UsageError as e:
+    except BaseException as e:
+        if main_thread:  # the run is ending: torchrun's SIGTERM to the other ranks now simply ends them
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        end_run(e)
+    if dist.is_initialized():
+        dist.barrier()  # every rank is done before any tears its part of the group down
+        dist.destroy_process_group()
+
+
+def end_run(e):
+    """How a run that raised e ends: our errors, a lost peer, Ctrl-C and SIGTERM in one line; a bug re-raised."""
+    if isinstance(e, UsageError):
         if e.local or int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         elif "TORCHELASTIC_RUN_ID" in os.environ:
@@ -844,9 +856,7 @@ def run_main(main, argv=None):
         remove_created_dirs()
         end_gloo_group()
         sys.exit(2)
-    except RuntimeError as e:  # torch's DistBackendError / DistNetworkError, gloo's lost connections
-        if not (dist.is_initialized() and peer_lost(e)):
-            raise  # a bug: its traceback
+    if isinstance(e, RuntimeError) and dist.is_initialized() and peer_lost(e):  # DistBackendError, gloo's
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per surviving machine
             reason = str(e).strip().splitlines()[0].split("] ")[-1].split(". ")[0][:120]  # gloo/NCCL's first sentence
             print(f"error: another rank of the job is gone ({reason}) (torchrun): this rank "
@@ -854,7 +864,7 @@ def run_main(main, argv=None):
         sys.stderr.flush()
         atexit._run_exitfuncs()  # release --out's lock; then leave without tearing down a group whose peers are gone
         os._exit(3)
-    except (KeyboardInterrupt, Terminated) as e:
+    if isinstance(e, (KeyboardInterrupt, Terminated)):
         if int(os.environ.get("RANK", 0)) == 0:
             step = RUN["step"]
             at = f"after step {step}" if step is not None else "before the first step"
@@ -862,9 +872,7 @@ def run_main(main, argv=None):
             print(f"{how} {at}: {RUN['resume']}", file=sys.stderr, flush=True)
         end_gloo_group()
         sys.exit(130 if isinstance(e, KeyboardInterrupt) else 143)
-    if dist.is_initialized():
-        dist.barrier()  # every rank is done before any tears its part of the group down
-        dist.destroy_process_group()
+    raise e  # a bug: its traceback
 
 
 def end_gloo_group():

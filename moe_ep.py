@@ -1,29 +1,36 @@
 """
-moe_ep.py - a Mixture-of-Experts GPT-2 trained with expert parallelism (EP). Every block's MLP becomes E expert MLPs and
-a router sending each token to its top-k: E times the MLP's parameters for k times its FLOPs (Shazeer et al. 2017).
-Rank r of an EP group of ep ranks holds experts [r*E/ep, (r+1)*E/ep) only; all else (attention, LayerNorms, embeddings,
-routers) is data parallel over all W ranks, the EP group included. In each MoE layer a rank routes its tokens, sorts
-them by expert (so by destination rank), swaps the counts, then the rows (all-to-all, uneven splits), runs its experts
-on what arrived and sends the outputs back, where each token sums its k outputs times its gates.
+moe_ep.py - a Mixture-of-Experts GPT-2 trained with expert parallelism (EP). Every block's MLP
+becomes E expert MLPs and a router sending each token to its top k: E times the MLP's parameters
+for k times its FLOPs (Shazeer et al. 2017). Rank r of an EP group of ep ranks (--ep, default: all
+ranks) holds experts [r E/ep, (r+1) E/ep) only; the rest is data parallel over all W ranks.
 
-    W = 4, --ep 2, E = 4:  rank 0 [e0 e1]   rank 1 [e2 e3]  |  rank 2 [e0 e1]   rank 3 [e2 e3]   (data: B rows each)
-    a layer, forward:      route -> top-k -> sort by expert -> a2a "counts" -> a2a rows "dispatch"
-                           ==> e0, e1 on the rows that arrived ==> a2a back "combine" -> sum_k gate_k y_k
-    backward:              the same two exchanges, splits swapped: a row's gradient returns to its sender
+    W = 4, --ep 2, E = 4: rank 0 [e0 e1]   rank 1 [e2 e3]  |  rank 2 [e0 e1]   rank 3 [e2 e3]
+    --naive (NaiveMoE):   all-gather the group's tokens ==> each rank runs its experts on all of
+                          them (0 where not chosen) ==> reduce-scatter: each token its k outputs
+    all-to-all (MoE):     route -> top-k -> sort by expert -> a2a "counts" -> a2a rows "dispatch"
+                          ==> experts on the rows that chose them ==> a2a back "combine" -> sum_k
+    backward:             the same exchanges transposed: a row's gradient goes back where it came
 
 Who sums what (W ranks; EP groups of ep ranks; W/ep replicas of each expert, one per EP group):
-    gradient      summed by                                                  over              then
-    dense         all_reduce_grads                                           all W ranks       / W
-    an expert     the backward all-to-all (every token of its EP group that  its EP group,     / W
-                  chose it), then all_reduce_grads over its replicas         then W/ep replicas
-    aux loss      f_i from the counts, all-reduced over W in train; P_i this rank's mean, made the global
-                  batch's by the / W of the router's gradient: every layout reproduces one process
-    clip norm     ||dense||^2 (equal everywhere) + ||experts||^2 summed over the EP group (sharded there,
-                  equal across replicas): clip_global_grad_norm
-Host syncs: one .tolist() per MoE layer per micro-step (an all-to-all's splits), one per step (the log). Bytes: `meter`.
-Read first: plan_dispatch, AllToAll, MoE.forward, all_reduce_grads, train.
-    torchrun --nproc_per_node=2 moe_ep.py --ep 2 --experts 4 --top-k 2 --batch-size 4 --out out/moe_ep2
-References: GShard (2020) sec. 2.2; Switch (2021) sec. 2.2, eq. 4; ST-MoE (2022) sec. 3; DeepSeek-V3 (2024) sec. 2.1.2.
+    gradient    summed by                                      over              then
+    dense       all_reduce_grads                               all W ranks       / W
+    an expert   the backward exchange (every token of its EP   its EP group,     / W
+                group that chose it), then all_reduce_grads    then W/ep replicas
+    aux loss    f_i from the counts, all-reduced over W; P_i this rank's mean, made the global
+                batch's by the / W of the router's gradient: every layout reproduces one process
+    clip norm   ||dense||^2 (equal everywhere) + ||experts||^2 summed over the EP group
+Host syncs: one .tolist() per MoE layer per micro-step (the all-to-all's splits; --naive: none),
+one per step (the log). Below the banners: DeepSeek-V3's options (sigmoid gates, bias balancing,
+a shared expert, dispatch by rank, node-limited routing, grouped GEMMs), model.pt, sampling.
+Read first: NaiveMoE.forward, plan_dispatch, AllToAll, MoE.forward, all_reduce_grads, train.
+    torchrun --nproc_per_node=2 moe_ep.py --data data/shakespeare_char --steps 20 --out out/moe
+prints each step's loss (4.2156 at step 0) and routing, and ends (--naive: the same losses, and
+`all-gather + reduce-scatter: 25.297 MB per step, closed form 25.297 MB ...`):
+    step    19 | loss 3.0403 | norm 1.4267 | lr 1.00e-03 | ...
+          moe | aux 0.04824 | drop 0.00% | max/mean load 1.98 | all-to-all 16.890 MB
+    all-to-all: 16.796 MB per step, closed form 16.777 MB (all-to-all, uniform routing: ...
+References: GShard (2020) sec. 2.2; Switch (2021) sec. 2.2, eq. 4; ST-MoE (2022) sec. 3;
+DeepSeek-V3 (2024) sec. 2.1.2.
 """
 import math
 import os
@@ -33,53 +40,170 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
 import gpt2
 from gpt2 import print0
-class Meter(gpt2.CommMeter):
-    """Bytes that leave this rank (gpt2.CommMeter's rules) and the all-to-alls' time, issue to completion: CUDA
-    events on GPU (an NCCL call returns before the data moves), the host clock on CPU. `timeline`: one step drawn."""
-    a2a_bytes, spans = 0.0, []
-    timeline = gpt2.Timeline(gpt2.Context(0, 1, 0, torch.device("cpu"), torch.float32, True))  # off: train sets one
-    def a2a_done(self, label, start, nbytes):
-        self.all_to_all(nbytes)
-        self.a2a_bytes += nbytes
-        self.spans.append((start, self.timeline.now()))
-        self.timeline.comm_span(label, start, "all_to_all")  # drawn if this is the recorded step
-    def take_a2a(self):  # (MB, ms) of the all-to-alls since the last call
-        ms = sum(1e3 * (e - s) if isinstance(s, float) else s.elapsed_time(e) for s, e in self.spans)
-        mb, self.a2a_bytes, self.spans = self.a2a_bytes / 1e6, 0.0, []
-        return mb, ms
-meter = Meter()  # held by the core: every collective below reports its bytes here
-def all_to_all(x, in_splits, out_splits, group, label):
-    """Rows x[sum(in_splits[:j]):sum(in_splits[:j+1])] go to rank j of `group`; returns those received, by source."""
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    start = meter.timeline.now()
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    away = sum(in_splits) - in_splits[dist.get_rank(group)]  # rows that leave this rank
-    meter.a2a_done(label, start, away * math.prod(x.shape[1:]) * x.element_size())
-    return out
-class AllToAll(torch.autograd.Function):
-    """Differentiable all-to-all: a received row's gradient belongs to the rank that sent it, so backward is the
-    same exchange with the splits swapped (GShard sec. 2.2: dispatch and combine are each other's transpose)."""
-    @staticmethod
-    def forward(ctx, x, in_splits, out_splits, group, label):
-        ctx.saved = (in_splits, out_splits, group, label)
-        return all_to_all(x, in_splits, out_splits, group, label)
-    @staticmethod
-    def backward(ctx, grad):
-        in_splits, out_splits, group, label = ctx.saved
-        return all_to_all(grad, out_splits, in_splits, group, label + " grad"), None, None, None, None
+
+moved = gpt2.CommMeter()  # bytes of the token exchanges that leave this rank, read every step
+comm = gpt2.CommMeter()  # bytes of the all-reduces (gradients, counts, the logged losses)
+timeline = gpt2.Timeline(gpt2.Context(0, 1, 0, torch.device("cpu"), torch.float32, True))
+
+
+def seeded(seed, make):
+    """make() under its own seed, global RNG untouched: every layout builds identical experts."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)  # CPU's only: modules are built on the CPU
+        return make()
+
+
 def keep_within_capacity(expert_idx, num_experts, capacity):
-    """Assignment ids sorted by expert, those within `capacity` per expert first (stable: first choices, then earlier
-    tokens, GShard 2.2's priority), the rest last; counts per expert before and after the cut. Fixed shapes: no sync."""
+    """Assignment ids sorted by expert, those within `capacity` per expert first (stable: first
+    choices, then earlier tokens, GShard 2.2's priority), the rest last; counts per expert before
+    and after the cut. Fixed shapes: no host sync."""
     order = torch.argsort(expert_idx, stable=True)
-    routed = (expert_idx[:, None] == torch.arange(num_experts, device=expert_idx.device)).sum(0)  # (E,) a bincount
+    experts = torch.arange(num_experts, device=expert_idx.device)
+    routed = (expert_idx[:, None] == experts).sum(0)  # (E,) a bincount without its host sync
     if capacity is None:
         return order, routed, routed
     first = torch.cumsum(routed, 0) - routed  # where each expert's run starts in `order`
-    slot = torch.arange(order.numel(), device=order.device) - first[expert_idx[order]]  # place in its queue
-    order = order[torch.argsort((slot >= capacity).long(), stable=True)]  # the dropped move to the end
+    slot = torch.arange(order.numel(), device=order.device) - first[expert_idx[order]]
+    order = order[torch.argsort((slot >= capacity).long(), stable=True)]  # dropped: to the end
     return order, routed, routed.clamp(max=capacity)
+
+
+class AllGather(torch.autograd.Function):
+    """The EP group's rows, rank after rank. Backward: a reduce-scatter (sum): every rank's
+    experts used every row, and each rank keeps the gradient of its own rows."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, n = group, dist.get_world_size(group)
+        out = x.new_empty((n * x.size(0), *x.shape[1:]))
+        gpt2.all_gather_single(out, x.contiguous(), group=group)
+        moved.all_gather(out.nbytes, n)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ReduceScatter.apply(grad, ctx.group), None
+
+
+class ReduceScatter(torch.autograd.Function):
+    """Rank r gets block r of the sum over the EP group. Backward: all-gather the blocks' grads."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, n = group, dist.get_world_size(group)
+        out = x.new_empty((x.size(0) // n, *x.shape[1:]))
+        gpt2.reduce_scatter_single(out, x.contiguous(), group=group)
+        moved.reduce_scatter(x.nbytes, n)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return AllGather.apply(grad, ctx.group), None
+
+
+class NaiveMoE(nn.Module):
+    """Drop-in for gpt2.MLP: (B, T, D) -> (B, T, D), a router and this rank's experts. The naive
+    exchange has no routing-dependent sizes (no host sync), but every rank's experts run on the
+    whole group's tokens and the reduce-scatter moves k rows per token from every rank."""
+    exchange = "all-gather + reduce-scatter"
+
+    def __init__(self, cfg, args, layer, init, ep_rank=0, group=None):
+        super().__init__()
+        E, ep = args.experts, args.ep  # this rank's experts: [ep_rank * E/ep, (ep_rank+1) * E/ep)
+        self.E, self.k, self.cf, self.layer = E, args.top_k, args.capacity_factor, layer
+        self.group, self.first, self.stats = group, ep_rank * (E // ep), None
+        base = args.seed * 1_000_003 + 1009 * (layer + 1)  # gpt2's init, residual ones / sqrt(2L)
+        self.router = seeded(base, lambda: nn.Linear(cfg.n_embd, E, bias=False).apply(init))
+        self.experts = nn.ModuleList(seeded(base + 1 + e, lambda: gpt2.MLP(cfg).apply(init))
+                                     for e in range(self.first, self.first + E // ep))
+
+    def route(self, h):
+        """Top-k experts and gates = their softmax probabilities (GShard 2.2). In fp32 under
+        autocast: tiny logit differences flip top-k choices (Switch sec. 2.4)."""
+        with torch.autocast(h.device.type, enabled=False):
+            logits = F.linear(h.float(), self.router.weight.float())  # (N, E)
+        scores = logits.softmax(-1)
+        idx = torch.topk(scores, self.k, dim=-1).indices  # (N, k)
+        return logits, scores, idx, scores.gather(-1, idx)
+
+    def capacity(self, n_tokens):
+        """Switch sec. 2.2: capacity = ceil(C * tokens * k / E) per source rank; C = 0: dropless."""
+        return None if self.cf == 0 else math.ceil(self.cf * n_tokens * self.k / self.E)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        h = x.reshape(-1, D)  # (N = B*T, D): every token routes on its own
+        N, ep = h.size(0), 1 if self.group is None else dist.get_world_size(self.group)
+        logits, scores, idx, gates = self.route(h)
+        choice = idx.t().reshape(-1)  # (k*N,) assignment a: choice a // N of token a % N
+        order, routed, kept = keep_within_capacity(choice, self.E, self.capacity(N))
+        k_n = choice.numel()
+        place = torch.empty_like(order).scatter_(0, order, torch.arange(k_n, device=h.device))
+        choice = choice.masked_fill(place >= kept.sum(), -1)  # beyond capacity: no expert
+        if torch.is_autocast_enabled(h.device.type):  # ship bf16: the experts cast to it anyway
+            h = h.to(torch.get_autocast_dtype(h.device.type))
+        if ep > 1:  # every rank gets the whole group's tokens and choices, rank after rank
+            with timeline.compute(f"layer {self.layer} all-gather", "all_gather"):
+                h, choice = AllGather.apply(h, self.group), AllGather.apply(choice, self.group)
+        picks = choice.view(ep, self.k, N, 1)  # the expert of each source's k choices
+        with timeline.compute(f"layer {self.layer} experts"):  # 0 where a token did not pick e
+            y = sum((picks == self.first + e) * expert(h).view(ep, 1, N, D)
+                    for e, expert in enumerate(self.experts))  # (ep, k, N, D)
+        if ep > 1:  # each source gets its k rows per token, summed over the ranks (one is not 0)
+            with timeline.compute(f"layer {self.layer} reduce-scatter", "reduce_scatter"):
+                y = ReduceScatter.apply(y.reshape(ep * k_n, D), self.group)
+        out = (y.reshape(self.k, N, D) * gates.t().unsqueeze(-1)).sum(0)  # (N, D)
+        if self.training:
+            self.stats = {"routed": routed, "kept": kept, "P": scores.mean(0),
+                          "z": torch.logsumexp(logits, -1).square().mean()}
+        return out.view(B, T, D)
+
+    def balance_loss(self, counts, args):
+        """Switch eq. 4: alpha*E*sum_i f_i*P_i, f_i the fraction of the GLOBAL batch's choices that
+        picked expert i (counts (2, E) summed over all ranks), P_i this rank's mean router
+        probability; plus ST-MoE's z-loss."""
+        f = counts[0].float() / counts[0].sum()
+        return args.aux_coef * self.E * (f * self.stats["P"]).sum() + args.z_loss * self.stats["z"]
+
+    @staticmethod
+    def exchange_bytes(args, n_tokens, row_bytes):
+        """Closed form per rank and micro-step, N = n_tokens: forward all-gathers (ep-1) N rows
+        and (ep-1) k N int64 choices and reduce-scatters (ep-1) k N rows; backward sends the
+        rows' gradients the other way (the choices have none)."""
+        ep, k, passes = args.ep, args.top_k, 2 if args.activation_checkpointing else 1
+        rows = (ep - 1) * n_tokens * (1 + k) * row_bytes
+        return passes * (rows + (ep - 1) * k * n_tokens * 8) + rows
+
+
+def all_to_all(x, in_splits, out_splits, group):
+    """Rows x[sum(in_splits[:j]):sum(in_splits[:j+1])] go to rank j of `group`; returns the rows
+    received, by source."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    away = sum(in_splits) - in_splits[dist.get_rank(group)]  # rows that leave this rank
+    moved.all_to_all(away * math.prod(x.shape[1:]) * x.element_size())
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """Differentiable all-to-all: a received row's gradient belongs to the rank that sent it, so
+    backward is the same exchange with the splits swapped (GShard sec. 2.2: dispatch and combine
+    are each other's transpose)."""
+
+    @staticmethod
+    def forward(ctx, x, in_splits, out_splits, group):
+        ctx.saved = (in_splits, out_splits, group)
+        return all_to_all(x, in_splits, out_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        in_splits, out_splits, group = ctx.saved
+        return all_to_all(grad, out_splits, in_splits, group), None, None, None
+
+
 @dataclass
 class Plan:
     """What plan_dispatch decided, and what combine_tokens needs to undo it."""
@@ -92,123 +216,165 @@ class Plan:
     recv_counts: torch.Tensor  # (ep, E_local): rows from each source rank for each local expert
     expert_rows: list  # rows per local expert, all sources together
     group: object  # the EP group (None: one rank)
-    label: str  # "layer 3", names its all-to-alls
-def plan_dispatch(x, expert_idx, num_experts, capacity, group, label):
-    """x: (N, D) tokens; expert_idx: (k*N,) the expert of assignment a = token a % N (choice-major). Returns the rows
-    to send (one per kept assignment, sorted by expert) and the Plan, after the counts exchange."""
+
+
+# Dispatch, worked on 2 ranks: E = 4 experts, rank 0 holds e0 e1, rank 1 holds e2 e3; top-2;
+# rank 0 has N = 3 tokens t0 t1 t2 (rank 1 has its own). Rank 0's router picks t0 -> (e2, e0),
+# t1 -> (e1, e2), t2 -> (e3, e0).
+#  1. assignments, choice-major: a0..a2 the first choices, a3..a5 the second:
+#     expert_idx = [2 1 3 0 2 0].
+#  2. order = stable argsort by expert = [a3 a5 | a1 | a0 a4 | a2] (e0 | e1 | e2 | e3); the rows
+#     to send are x[order % N] = [t0 t2 | t1 | t0 t1 | t2]. Sorted by expert is sorted by rank:
+#     the first 3 rows stay on rank 0, the last 3 go to rank 1: send_splits = [3, 3]. (With a
+#     capacity, the assignments beyond it move to the end of `order` and are cut off once the
+#     kept counts reach the host.)
+#  3. counts exchange: rank 0 sends kept = [2, 1 | 2, 1] (rows for e0 e1 | e2 e3); say rank 1
+#     sends it [1, 0] for e0 e1. Rank 0 now knows recv_counts = [[2, 1], [1, 0]] (source x local
+#     expert), so recv_splits = [3, 1] and its experts see expert_rows = [3, 1] rows: these
+#     three lists are the layer's one .tolist().
+#  4. token exchange: rank 0 receives [t0 t2 t1 | s] (from itself: e0 e0 e1; from rank 1: s for
+#     e0), by source, then expert. run_experts regroups by expert: eid = [0 0 1 0], regroup =
+#     argsort(eid) = [0 1 3 2] -> [t0 t2 s | t1], runs e0 on 3 rows and e1 on 1, and puts the
+#     outputs back in received order with the inverse permutation argsort(regroup).
+#  5. combine: the reverse exchange (splits swapped) returns to rank 0 its 6 rows in `order`;
+#     index_copy writes row i to assignment order[i], so y.view(k, N, D)[c, t] is token t's
+#     c-th expert output, which the gates weight and sum. Backward: the same, splits swapped.
+
+def plan_dispatch(x, expert_idx, num_experts, capacity, group):
+    """x: (N, D) tokens; expert_idx: (k*N,) the expert of assignment a = token a % N
+    (choice-major). Returns the rows to send (one per kept assignment, sorted by expert) and the
+    Plan, after the counts exchange."""
     ep = dist.get_world_size(group) if group is not None else 1
     E, E_local, N = num_experts, num_experts // ep, x.size(0)
     order, routed, kept = keep_within_capacity(expert_idx, E, capacity)
     recv_counts = kept.view(1, E)
-    if ep > 1:  # the counts exchange: each rank learns how many rows of each of its experts it will receive
-        recv_counts = all_to_all(kept, [E_local] * ep, [E_local] * ep, group, f"{label} counts").view(ep, E_local)
-    # the uneven splits must be host integers: ONE device->host copy per layer, the price of dropless EP
-    host = torch.cat([kept.view(ep, E_local).sum(1), recv_counts.sum(1), recv_counts.sum(0)]).tolist()
+    if ep > 1:  # the counts exchange: each rank learns how many rows each local expert gets
+        recv_counts = all_to_all(kept, [E_local] * ep, [E_local] * ep, group).view(ep, E_local)
+    # the uneven splits must be host integers: ONE device->host copy per layer, dropless EP's price
+    host = torch.cat([kept.view(ep, E_local).sum(1), recv_counts.sum(1), recv_counts.sum(0)])
+    host = host.tolist()
     send, recv, rows = host[:ep], host[ep:2 * ep], host[2 * ep:]
     order = order[:sum(send)]  # the kept assignments
-    return x[order % N], Plan(order, expert_idx.numel(), routed, kept, send, recv, recv_counts, rows, group, label)
-def dispatch_tokens(x, expert_idx, num_experts, capacity, group, label="layer 0"):
-    """The rows this rank's experts must process (by source rank, then local expert) and the Plan. One row per
-    kept assignment: a token whose k experts share a rank travels there k times."""
-    rows, plan = plan_dispatch(x, expert_idx, num_experts, capacity, group, label)
-    return (rows if group is None else AllToAll.apply(rows, plan.send_splits, plan.recv_splits, group, f"{label} dispatch")), plan
+    plan = Plan(order, expert_idx.numel(), routed, kept, send, recv, recv_counts, rows, group)
+    return x[order % N], plan
+
+
+def dispatch_tokens(x, expert_idx, num_experts, capacity, group):
+    """The rows this rank's experts must process (by source rank, then local expert) and the
+    Plan. One row per kept assignment: a token whose k experts share a rank travels there k
+    times."""
+    rows, plan = plan_dispatch(x, expert_idx, num_experts, capacity, group)
+    if group is not None:
+        rows = AllToAll.apply(rows, plan.send_splits, plan.recv_splits, group)
+    return rows, plan
+
+
 def combine_tokens(y, plan):
-    """Inverse of dispatch_tokens: y holds the expert outputs of the received rows (same order); returns
-    (n_assign, D) in assignment order, zeros where an assignment was dropped."""
+    """Inverse of dispatch_tokens: y holds the expert outputs of the received rows (same order);
+    returns (n_assign, D) in assignment order, zeros where an assignment was dropped."""
     if plan.group is not None:
-        y = AllToAll.apply(y, plan.recv_splits, plan.send_splits, plan.group, f"{plan.label} combine")
+        y = AllToAll.apply(y, plan.recv_splits, plan.send_splits, plan.group)
     return y.new_zeros((plan.n_assign, y.size(1))).index_copy(0, plan.order, y)
-def seeded(seed, make):
-    """make() under its own seed, global RNG untouched: every EP layout builds identical experts, each rank its own."""
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(seed)  # the CPU generator only: modules are built on the CPU
-        return make()
-class MoE(nn.Module):
-    """Drop-in for gpt2.MLP: (B, T, D) -> (B, T, D), a router and this rank's experts."""
-    def __init__(self, cfg, args, layer, init, ep_rank=0, group=None):
-        super().__init__()
-        E, ep = args.experts, args.ep  # this rank's experts: [ep_rank * E/ep, (ep_rank + 1) * E/ep)
-        self.E, self.k, self.cf, self.layer, self.group, self.stats = E, args.top_k, args.capacity_factor, layer, group, None
-        base = args.seed * 1_000_003 + 1009 * (layer + 1)  # init: gpt2's, N(0, 0.02), residual projections / sqrt(2L)
-        self.router = seeded(base, lambda: nn.Linear(cfg.n_embd, E, bias=False).apply(init))
-        self.experts = nn.ModuleList(seeded(base + 1 + e, lambda: gpt2.MLP(cfg).apply(init))
-                                     for e in range(ep_rank * (E // ep), (ep_rank + 1) * (E // ep)))
 
-    def route(self, h):
-        """Top-k experts and gates = their softmax probabilities (GShard 2.2). In fp32 under autocast: tiny logit
-        differences flip top-k choices (Switch sec. 2.4, selective precision)."""
-        with torch.autocast(h.device.type, enabled=False):
-            logits = F.linear(h.float(), self.router.weight.float())  # (N, E)
-        scores = logits.softmax(-1)
-        idx = torch.topk(scores, self.k, dim=-1).indices  # (N, k)
-        return logits, scores, idx, scores.gather(-1, idx)
 
-    def capacity(self, n_tokens):
-        """Switch sec. 2.2: expert capacity = ceil(C * tokens * k / E) per source rank; C = 0: dropless."""
-        return None if self.cf == 0 else math.ceil(self.cf * n_tokens * self.k / self.E)
+class MoE(NaiveMoE):
+    """The layer with the all-to-all: a token's row goes only to the ranks of its experts."""
+    exchange = "all-to-all"
 
     def run_experts(self, x, plan):
-        """Received rows come by source rank, then local expert: regroup by expert, run, restore the order."""
+        """Received rows come by source rank, then local expert: regroup by expert, run, restore."""
         ep, E_local = plan.recv_counts.shape
-        eid = torch.arange(E_local, device=x.device).repeat(ep).repeat_interleave(  # (R,) each row's local expert
-            plan.recv_counts.flatten(), output_size=x.size(0))  # output_size: no host sync
+        eid = torch.arange(E_local, device=x.device).repeat(ep).repeat_interleave(
+            plan.recv_counts.flatten(), output_size=x.size(0))  # (R,); output_size: no host sync
         regroup = torch.argsort(eid, stable=True)
-        with meter.timeline.compute(f"layer {self.layer} experts"):  # local expert i on its expert_rows[i] rows
-            y = torch.cat([expert(xs) for expert, xs in zip(self.experts, x[regroup].split(plan.expert_rows))])
+        parts = x[regroup].split(plan.expert_rows)  # local expert i's expert_rows[i] rows
+        y = torch.cat([expert(xs) for expert, xs in zip(self.experts, parts)])
         return y[torch.argsort(regroup)]
 
     def forward(self, x):
         B, T, D = x.shape
         h = x.reshape(-1, D)  # (N = B*T, D): every token routes on its own
         logits, scores, idx, gates = self.route(h)
-        if torch.is_autocast_enabled(h.device.type):  # ship bf16: the experts would cast to it anyway
+        if torch.is_autocast_enabled(h.device.type):  # ship bf16: the experts cast to it anyway
             h = h.to(torch.get_autocast_dtype(h.device.type))
-        recv, plan = dispatch_tokens(h, idx.t().reshape(-1), self.E, self.capacity(h.size(0)), self.group,
-                                     f"layer {self.layer}")  # (k*N,) assignments, choice-major
-        y = combine_tokens(self.run_experts(recv, plan), plan)  # (k*N, D)
-        out = (y.view(self.k, -1, D) * gates.t().unsqueeze(-1)).sum(0)  # (N, D); a dropped choice adds nothing
+        choice, cap = idx.t().reshape(-1), self.capacity(h.size(0))  # (k*N,) choice-major
+        with timeline.compute(f"layer {self.layer} dispatch", "all_to_all"):
+            recv, plan = dispatch_tokens(h, choice, self.E, cap, self.group)
+        with timeline.compute(f"layer {self.layer} experts"):
+            y = self.run_experts(recv, plan)
+        with timeline.compute(f"layer {self.layer} combine", "all_to_all"):
+            y = combine_tokens(y, plan)  # (k*N, D)
+        out = (y.view(self.k, -1, D) * gates.t().unsqueeze(-1)).sum(0)  # (N, D); a drop adds 0
         if self.training:
-            self.stats = {"routed": plan.routed, "kept": plan.kept, "P": scores.mean(0), "plan": plan,
-                          "z": torch.logsumexp(logits, -1).square().mean()}
+            self.stats = {"routed": plan.routed, "kept": plan.kept, "P": scores.mean(0),
+                          "plan": plan, "z": torch.logsumexp(logits, -1).square().mean()}
         return out.view(B, T, D)
 
-    def balance_loss(self, counts, args):
-        """Switch eq. 4: alpha*E*sum_i f_i*P_i, f_i the fraction of the GLOBAL batch's choices that picked expert i
-        (counts (2, E) summed over all ranks), P_i this rank's mean router probability, plus ST-MoE's z-loss."""
-        f = counts[0].float() / counts[0].sum()
-        return args.aux_coef * self.E * (f * self.stats["P"]).sum() + args.z_loss * self.stats["z"]
+    @staticmethod
+    def exchange_bytes(args, n_tokens, row_bytes):
+        """Closed form per rank and micro-step, uniform routing, dropless: (ep-1)/ep of the N k
+        rows leave the rank in dispatch and combine, and again in backward; the counts, (ep-1)
+        E/ep int64s, once per forward pass (twice with activation checkpointing)."""
+        ep, passes = args.ep, 2 if args.activation_checkpointing else 1
+        rows = n_tokens * args.top_k * (ep - 1) / ep * row_bytes
+        return passes * (2 * rows + (ep - 1) * args.experts // ep * 8) + 2 * rows
+
+
 def make_groups(rank, world, ep):
-    """EP groups are blocks of ep consecutive ranks; expert e's replicas are the ranks with the same rank % ep.
-    Every rank must create every group, in the same order. None: a group of one, no communication."""
-    ep_groups = [dist.new_group(list(range(g * ep, (g + 1) * ep))) for g in range(world // ep)] if ep > 1 else []
-    dp_groups = [dist.new_group(list(range(j, world, ep))) for j in range(ep)] if world > ep else []
-    return ep_groups[rank // ep] if ep_groups else None, dp_groups[rank % ep] if dp_groups else None
+    """EP groups are blocks of ep consecutive ranks; expert e's replicas are the ranks with the
+    same rank % ep. Every rank must create every group, in the same order. None: one rank."""
+    ep_group = dp_group = None
+    if ep > 1:
+        ep_groups = [dist.new_group(list(range(g * ep, (g + 1) * ep))) for g in range(world // ep)]
+        ep_group = ep_groups[rank // ep]
+    if world > ep:
+        dp_group = [dist.new_group(list(range(j, world, ep))) for j in range(ep)][rank % ep]
+    return ep_group, dp_group
+
+
 def all_reduce_grads(params, group, n, world):
-    """Sum the gradients over `group` (n ranks) in one flat bucket, divide by the WORLD size: an expert's gradient
-    already sums, by the backward all-to-all, its EP group's losses; its n replicas cover all world ranks."""
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    """Sum the gradients over `group` (n ranks) in one flat bucket, divide by the WORLD size: an
+    expert's gradient already sums, by the backward exchange, its EP group's losses; its n
+    replicas cover all world ranks."""
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                      for p in params])
     if n > 1:
-        meter.all_reduce(flat.numel() * flat.element_size(), n)
+        comm.all_reduce(flat.nbytes, n)
         dist.all_reduce(flat, group=group)
     flat /= world
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad = g.view_as(p)
+
+
+def squared_norm(params, device):
+    """The sum of the squares of the gradients, a 0-dim fp32 tensor on `device` (no host sync)."""
+    return sum((p.grad.float().square().sum() for p in params if p.grad is not None),
+               torch.zeros((), device=device))
+
+
 def clip_global_grad_norm(dense, experts, max_norm, ep_group, ep):
-    """clip_grad_norm_ on the whole model: dense grads are identical on every rank, expert grads are split
-    over the EP group, so their squared norms are summed over it (one float)."""
-    sq = lambda ps: sum((p.grad.float().square().sum() for p in ps if p.grad is not None), torch.zeros((), device=dense[0].device))
-    expert_sq = sq(experts)
+    """The whole model's gradient norm before clipping, and clip_grad_norm_ to max_norm (0: off):
+    dense grads are identical on every rank, expert grads are split over the EP group, so their
+    squared norms are summed over it (one float)."""
+    expert_sq = squared_norm(experts, dense[0].device)
     if ep > 1:
-        meter.all_reduce(4, ep)
+        comm.all_reduce(4, ep)
         dist.all_reduce(expert_sq, group=ep_group)
-    coef = (max_norm / ((sq(dense) + expert_sq).sqrt() + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_([p.grad for p in dense + experts if p.grad is not None], coef)
-def train(args, Layer=MoE):
-    """The loop, for args checked by check_args; Layer: the MoE layer class. Returns (metrics records, model)."""
+    norm = (squared_norm(dense, dense[0].device) + expert_sq).sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # a tensor: no host sync
+        torch._foreach_mul_([p.grad for p in dense + experts if p.grad is not None], coef)
+    return norm
+
+
+def train(args, Layer):
+    """The loop, for args checked by check_args; Layer: NaiveMoE, MoE or a subclass. Returns
+    (metrics records, model)."""
+    global timeline  # one step drawn, on this run's device
     ctx = gpt2.setup(args)  # device from LOCAL_RANK; data and writes below go by the global rank
     world, ep, dp = ctx.world, args.ep, ctx.world // args.ep
-    ep_group, expert_dp_group = make_groups(ctx.rank, world, ep)  # every rank: its EP group, its expert replicas
-    model = gpt2.build_model(args)  # same seed, same dense weights; then every block's MLP becomes an MoE layer
+    ep_group, expert_dp_group = make_groups(ctx.rank, world, ep)  # its EP group, expert replicas
+    model = gpt2.build_model(args)  # same seed, same dense weights; then every MLP becomes an MoE
     for i, block in enumerate(model.h):
         block.mlp = Layer(model.config, args, i, model.init_weights, ctx.rank % ep, ep_group)
     model = model.to(ctx.device)
@@ -217,85 +383,114 @@ def train(args, Layer=MoE):
     dense = [p for p in model.parameters() if all(p is not e for e in experts)]
     train_loader, val_loader = gpt2.make_loaders(args, ctx.rank, world, model.config.vocab_size)
     opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
-    for b in model.h if args.compile else []:  # attention whole; the experts see another row count each call
+    for b in model.h if args.compile else []:  # attention whole; experts see other row counts
         [m.compile(dynamic=m is not b.attn) for m in [b.attn, *b.mlp.experts]]
-    active = model.num_params() - sum(p.numel() for p in experts) * (1 - args.top_k / args.experts * ep)  # k experts/token
-    metrics = gpt2.Metrics(args, ctx, model.config, active, args.batch_size * args.seq_len * args.grad_accum * world)
-    profiler, meter.timeline, _, _ = gpt2.Profiler(args, ctx), gpt2.Timeline(ctx), meter.take_a2a(), meter.take_mb()
+    all_experts = sum(p.numel() for p in experts) * ep  # of which a token uses k / E
+    active = model.num_params() - all_experts * (1 - args.top_k / args.experts)
+    tokens = args.batch_size * args.seq_len  # per rank and micro-step
+    metrics = gpt2.Metrics(args, ctx, model.config, active, tokens * args.grad_accum * world)
+    timeline, _, _ = gpt2.Timeline(ctx), moved.take_mb(), comm.take_mb()
     for step in range(args.steps):
-        profiler.step(step), meter.timeline.start_step(step), metrics.start_step()
+        timeline.start_step(step), metrics.start_step()
         lr = gpt2.set_lr(opt, step, args)
-        sums, counts = torch.zeros(2, device=ctx.device), 0  # (train loss, balancing loss) of this rank; (L, 2, E)
+        sums, counts = torch.zeros(2, device=ctx.device), 0  # (train loss, aux loss); (L, 2, E)
         for _ in range(args.grad_accum):
             x, y = train_loader.next_batch(ctx.device)  # CUDA: pinned, non-blocking
-            with ctx.autocast():  # model(x, y), with the head drawn apart from the blocks (experts, all-to-alls)
-                h = model.forward_blocks(model.embed(x))
-                with meter.timeline.compute("head + loss"):
-                    loss = model.head_loss(h, y)
-            c = torch.stack([torch.stack([m.stats["routed"], m.stats["kept"]]) for m in moes])  # (L, 2, E)
+            with ctx.autocast():
+                _, loss = model(x, y)
+            c = torch.stack([torch.stack([m.stats["routed"], m.stats["kept"]]) for m in moes])
             if world > 1:  # global_counts: routed and kept per expert, summed over ALL ranks
-                meter.all_reduce(c.numel() * 8, world)
+                comm.all_reduce(c.nbytes, world)
                 dist.all_reduce(c)
-            aux = sum((m.balance_loss(cl, args) for m, cl in zip(moes, c)), torch.zeros((), device=ctx.device))
-            sums, counts = sums + torch.stack([loss.detach(), aux.detach()]) / args.grad_accum, counts + c
-            with meter.timeline.compute("backward"):
+            aux = sum(m.balance_loss(counts_l, args) for m, counts_l in zip(moes, c))
+            sums = sums + torch.stack([loss.detach(), aux.detach()]) / args.grad_accum
+            counts = counts + c
+            with timeline.compute("backward"):
                 ((loss + aux) / args.grad_accum).backward()
         if world > 1:
-            t0 = meter.timeline.now()
+            t0 = timeline.now()
             all_reduce_grads(dense, None, world, world)
             all_reduce_grads(experts, expert_dp_group, dp, world)
-            meter.timeline.comm_span("grad all-reduces", t0)
-        if args.grad_clip > 0:
-            clip_global_grad_norm(dense, experts, args.grad_clip, ep_group, ep)
+            timeline.comm_span("grad all-reduces", t0)
+        norm = clip_global_grad_norm(dense, experts, args.grad_clip, ep_group, ep)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        meter.timeline.stop()  # the picture is one optimizer step, not the validation that may follow
+        timeline.stop()  # the picture is one optimizer step, not the validation that may follow
         if world > 1:  # the mean over ranks of (train loss, balancing loss)
-            meter.all_reduce(8, world)
+            comm.all_reduce(sums.nbytes, world)
             dist.all_reduce(sums)
-        load = counts[:, 0].float() / counts[:, 0].float().mean(-1, keepdim=True)  # (L, E) 1.0 = balanced
+        load = counts[:, 0].float() / counts[:, 0].float().mean(-1, keepdim=True)  # (L, E) 1: even
         kept = counts[:, 1].sum() / counts[:, 0].sum()
-        loss, aux, kept, *load = torch.cat([sums / world, kept[None], load.flatten()]).tolist()  # the step's sync
+        figures = torch.cat([sums / world, kept[None], norm[None], load.flatten()])
+        loss, aux, kept, norm, *load = figures.tolist()  # the step's one host sync
         gpt2.check_finite(loss, step)
-        (a2a_mb, a2a_ms), comm_mb = meter.take_a2a(), meter.take_mb()  # CUDA: the events are done (tolist)
-        metrics.log_step(step, loss, lr, comm_mb=comm_mb, aux_loss=aux, drop_rate=1 - kept, a2a_mb=a2a_mb, a2a_ms=a2a_ms,
-                         expert_load=[[round(v, 4) for v in load[i:i + args.experts]] for i in range(0, len(load), args.experts)])
-        print0(f"      moe | aux {aux:.5f} | drop {1 - kept:.2%} | max/mean load {max(load):.2f} | a2a {a2a_mb:.3f} MB {a2a_ms:.1f} ms")
+        mb, E = moved.take_mb(), args.experts
+        per_layer = [[round(v, 4) for v in load[i:i + E]] for i in range(0, len(load), E)]
+        metrics.log_step(step, loss, lr, comm_mb=mb + comm.take_mb(), grad_norm=norm, aux_loss=aux,
+                         drop_rate=1 - kept, exchange_mb=mb, expert_load=per_layer)
+        print0(f"      moe | aux {aux:.5f} | drop {1 - kept:.2%} | max/mean load {max(load):.2f} | "
+               f"{Layer.exchange} {mb:.3f} MB")
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             with ctx.autocast():  # gpt2.evaluate in eval mode: the mean val loss over all ranks
-                metrics.log_val(step, gpt2.evaluate(lambda x, y: model.eval()(x, y)[1], val_loader, args.eval_steps, ctx.device))
-            model.train(), meter.take_a2a(), meter.take_mb()  # validation traffic is not part of a training step
-    meter.timeline.save(os.path.join(args.out, "timeline.png"), "one optimizer step of moe_ep.py: each layer's counts, "
-                        "dispatch and combine all-to-alls (and their grads) against forward and backward")
-    gpt2.check_finite_weights(model.parameters(), args.steps - 1)  # every rank: its own experts too
+                val = gpt2.evaluate(lambda x, y: model.eval()(x, y)[1], val_loader, args.eval_steps,
+                                    ctx.device)
+            metrics.log_val(step, val)
+            model.train(), moved.take_mb(), comm.take_mb()  # validation is not a training step
+    timeline.save(os.path.join(args.out, "timeline.png"), f"one step of {Layer.__name__}")
+    gpt2.check_finite_weights(model.parameters(), args.steps - 1)  # every rank: its experts too
     metrics.plot()
+    per_step = [r["exchange_mb"] for r in metrics.records if "exchange_mb" in r]
+    mb, row = sum(per_step) / len(per_step), model.config.n_embd * ctx.dtype.itemsize  # a token
+    forms = (Layer.exchange_bytes, MoE.exchange_bytes, NaiveMoE.exchange_bytes)  # layer, micro-step
+    closed, a2a, naive = (len(moes) * args.grad_accum * f(args, tokens, row) / 1e6 for f in forms)
+    print0(f"{Layer.exchange}: {mb:.3f} MB per step, closed form {closed:.3f} MB "
+           f"(all-to-all, uniform routing: {a2a:.3f} MB; --naive: {naive:.3f} MB)")
+    a2a_mb = 0.0 if Layer is NaiveMoE else mb
+    metrics.log_summary({"exchange": Layer.exchange, "exchange_mb": mb,
+                         "exchange_mb_closed_form": closed, "a2a_mb": a2a_mb,
+                         "a2a_mb_closed_form": a2a, "naive_mb_closed_form": naive})
     return metrics.records, model
+
+
 def make_parser():
-    p = gpt2.make_parser("Train a Mixture-of-Experts GPT-2 with expert parallelism (torchrun for several ranks).")
+    p = gpt2.make_parser("Train a Mixture-of-Experts GPT-2 with expert parallelism (torchrun for "
+                         "several ranks).")
     a = p.add_argument
-    a("--ep", type=int, default=1, help="expert-parallel size: experts are split over groups of this many ranks")
-    a("--experts", type=int, default=4, help="routed experts per MoE layer (each shaped as GPT-2's MLP)")
+    a("--naive", action="store_true", help="all-gather the tokens, every rank runs its experts on "
+      "all of them, reduce-scatter the outputs (no routing-dependent exchange)")
+    a("--ep", type=int, default=None, help="expert-parallel size: the experts are split over "
+      "groups of this many ranks (default: all ranks)")
+    a("--experts", type=int, default=4, help="routed experts per MoE layer (each one GPT-2's MLP)")
     a("--top-k", type=int, default=2, help="experts per token")
-    a("--capacity-factor", type=float, default=0.0, help="expert capacity = ceil(C*tokens*k/E) per rank; 0 = dropless")
+    a("--capacity-factor", type=float, default=0.0, help="expert capacity = ceil(C*tokens*k/E) per "
+      "rank; 0 = dropless")
     a("--aux-coef", type=float, default=0.01, help="alpha of the Switch load-balancing loss")
     a("--z-loss", type=float, default=1e-3, help="coefficient of the router z-loss (0 = off)")
     return p
+
+
 def check_args(args, world):
     """Every mistake found before the first collective, so it is an error message and not a hang."""
     gpt2.check_args(args)
+    args.ep = world if args.ep is None else args.ep  # default: the experts spread over every rank
     gpt2.check_range(args.ep, "--ep", 1, todo="give a positive integer")
     if args.experts % args.ep:
-        gpt2.fail(f"{args.experts} experts do not split evenly over {args.ep} ranks", "--experts/--ep", "give a number "
-                  "of experts divisible by --ep")
-    gpt2.check_range(args.top_k, "--top-k", 1, args.experts, todo="route each token to 1 to --experts experts")
+        gpt2.fail(f"{args.experts} experts do not split evenly over {args.ep} ranks",
+                  "--experts/--ep", "give a number of experts divisible by --ep")
+    gpt2.check_range(args.top_k, "--top-k", 1, args.experts,
+                     todo="route each token to 1 to --experts experts")
     if world % args.ep:
-        gpt2.fail(f"{world} ranks do not form groups of --ep {args.ep}", "--ep", "give a divisor of the world size")
-    for flag in ("aux_coef", "z_loss", "capacity_factor"):  # a negative coefficient rewards imbalance
-        gpt2.check_range(getattr(args, flag), "--" + flag.replace("_", "-"), 0, todo="give 0 (off) or a positive value")
+        gpt2.fail(f"{world} ranks do not form groups of --ep {args.ep}", "--ep",
+                  "give a divisor of the world size")
+    for flag in ("aux_coef", "z_loss", "capacity_factor"):  # a negative one rewards imbalance
+        gpt2.check_range(getattr(args, flag), "--" + flag.replace("_", "-"), 0,
+                         todo="give 0 (off) or a positive value")
+
+
 def main(argv=None):
     args = make_parser().parse_args(argv)
     check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
-    return train(args)
+    return train(args, NaiveMoE if args.naive else MoE)
 
 # ---- Beyond the core ----
 # DeepSeekMoE: the MoE layer with DeepSeek-V3's options (sec. 2.1.2, 3.2.2), each off by default; cli picks it
@@ -329,6 +524,10 @@ class DeepSeekMoE(MoE):
             self.bias_rate, self.grad_accum = args.bias_rate, getattr(args, "grad_accum", 1)
             self.router.weight.register_post_accumulate_grad_hook(self.after_backward)
 
+    @staticmethod
+    def exchange_bytes(args, n_tokens, row_bytes):
+        return a2a_bytes_uniform(args, n_tokens, row_bytes)  # --dispatch rank: one row per (token, rank)
+
     def after_backward(self, _):
         """The router's gradient is in, so this layer's routing of the micro-step is final (recomputation
         included). After the step's last micro-step the bias moves: as after the optimizer step, which never
@@ -359,25 +558,25 @@ class DeepSeekMoE(MoE):
         eid = torch.arange(E_local, device=x.device).repeat(ep).repeat_interleave(plan.recv_counts.flatten(),
                                                                                   output_size=x.size(0))
         regroup = torch.argsort(eid, stable=True)
-        with meter.timeline.compute(f"layer {self.layer} experts"):
+        with timeline.compute(f"layer {self.layer} experts"):
             y = grouped_experts(x[regroup], self.experts, plan.expert_rows)
         return y[torch.argsort(regroup)]
 
     def forward(self, x):
         B, T, D = x.shape
         h = x.reshape(-1, D)  # (N, D)
-        N, label = h.size(0), f"layer {self.layer}"
+        N = h.size(0)
         logits, scores, idx, gates = self.route(h)
         if torch.is_autocast_enabled(h.device.type):
             h = h.to(torch.get_autocast_dtype(h.device.type))
         during = (lambda: self.shared(h)) if self.shared is not None and self.overlap_shared else None
         if self.dispatch == "rank":
             recv, recv_gates, chosen, plan, side = dispatch_by_rank(h, idx.t().reshape(-1), gates.t().reshape(-1), self.E,
-                                                                    self.capacity(N), self.group, label, during)
+                                                                    self.capacity(N), self.group, during)
             out = combine_by_rank(self.run_experts_by_rank(recv, recv_gates, chosen), plan, N)
         else:
-            rows, plan = plan_dispatch(h, idx.t().reshape(-1), self.E, self.capacity(N), self.group, label)
-            recv, side = exchange(rows, plan.send_splits, plan.recv_splits, plan.group, label, during)
+            rows, plan = plan_dispatch(h, idx.t().reshape(-1), self.E, self.capacity(N), self.group)
+            recv, side = send_rows(rows, plan.send_splits, plan.recv_splits, plan.group, during)
             y = combine_tokens(self.run_experts(recv, plan), plan)
             out = (y.view(self.k, N, D) * gates.t().unsqueeze(-1)).sum(0)  # (N, D)
         if self.shared is not None:
@@ -431,40 +630,39 @@ def limit_groups(choice, groups, max_groups, k):
     return choice.masked_fill(~allowed.repeat_interleave(E // groups, dim=1), float("-inf"))
 
 class AllToAllInFlight(torch.autograd.Function):
-    """AllToAll whose forward exchange was started earlier (async_op=True, see exchange): forward only waits
+    """AllToAll whose forward exchange was started earlier (async_op=True, see send_rows): forward only waits
     for it; backward is AllToAll's."""
 
     @staticmethod
-    def forward(ctx, x, in_splits, out_splits, group, label, started):
-        ctx.saved = (in_splits, out_splits, group, label)
-        out, work, start = started
+    def forward(ctx, x, in_splits, out_splits, group, started):
+        ctx.saved = (in_splits, out_splits, group)
+        out, work = started
         work.wait()  # NCCL: the compute stream waits for the exchange; gloo: the CPU does
         away = sum(in_splits) - in_splits[dist.get_rank(group)]
-        meter.a2a_done(label, start, away * math.prod(x.shape[1:]) * x.element_size())
+        moved.all_to_all(away * math.prod(x.shape[1:]) * x.element_size())
         return out
 
     @staticmethod
     def backward(ctx, grad):
         return *AllToAll.backward(ctx, grad), None
 
-def exchange(rows, send_splits, recv_splits, group, label, during=None):
+def send_rows(rows, send_splits, recv_splits, group, during=None):
     """AllToAll of rows, with `during()` (autograd on) computed while the exchange is in flight (--overlap-shared);
     returns (received rows, during's result or None)."""
     if group is None:
         return rows, during() if during else None
     if during is None:
-        return AllToAll.apply(rows, send_splits, recv_splits, group, f"{label} dispatch"), None
+        return AllToAll.apply(rows, send_splits, recv_splits, group), None
     out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-    start = meter.timeline.now()
     work = dist.all_to_all_single(out, rows.detach().contiguous(), recv_splits, send_splits, group=group, async_op=True)
     side = during()
-    return AllToAllInFlight.apply(rows, send_splits, recv_splits, group, f"{label} dispatch", (out, work, start)), side
+    return AllToAllInFlight.apply(rows, send_splits, recv_splits, group, (out, work)), side
 
 @dataclass
 class RankPlan(Plan):
     token: torch.Tensor = None  # the token of each row sent
 
-def dispatch_by_rank(x, expert_idx, gates, num_experts, capacity, group, label, during=None):
+def dispatch_by_rank(x, expert_idx, gates, num_experts, capacity, group, during=None):
     """--dispatch rank, as DeepSeek-V3 runs it (sec. 3.2.2; DeepEP): one row per (token, destination rank),
     however many of the token's experts that rank holds. Beside each row travel its gates for the receiver's
     local experts (fp32, 0 where not chosen) and which of them were chosen (uint8), so the receiver can run
@@ -489,21 +687,21 @@ def dispatch_by_rank(x, expert_idx, gates, num_experts, capacity, group, label, 
     if ep == 1:
         n = pair.numel()
         return rows, row_gates, chosen, RankPlan(order, expert_idx.numel(), routed, kept, [n], [n], None, None, None,
-                                                 label, token), during() if during else None
-    recv_n = all_to_all(send, [1] * ep, [1] * ep, group, f"{label} counts")  # ep-1 int64s leave this rank
+                                                 token), during() if during else None
+    recv_n = all_to_all(send, [1] * ep, [1] * ep, group)  # ep-1 int64s leave this rank
     host = torch.cat([send, recv_n]).tolist()
     send_splits, recv_splits = host[:ep], host[ep:]
-    recv_gates = AllToAll.apply(row_gates, send_splits, recv_splits, group, f"{label} gates")
-    recv_chosen = all_to_all(chosen, send_splits, recv_splits, group, f"{label} chosen")
-    recv, side = exchange(rows, send_splits, recv_splits, group, label, during)
+    recv_gates = AllToAll.apply(row_gates, send_splits, recv_splits, group)
+    recv_chosen = all_to_all(chosen, send_splits, recv_splits, group)
+    recv, side = send_rows(rows, send_splits, recv_splits, group, during)
     return recv, recv_gates, recv_chosen, RankPlan(order, expert_idx.numel(), routed, kept, send_splits, recv_splits,
-                                                   None, None, group, label, token), side
+                                                   None, None, group, token), side
 
 def combine_by_rank(y, plan, n_tokens):
     """Inverse of dispatch_by_rank: y (R, D) holds each received row's summed, gated local-expert outputs;
     back to the senders, then each token sums its rows (one per destination rank): (N, D)."""
     if plan.group is not None:
-        y = AllToAll.apply(y, plan.recv_splits, plan.send_splits, plan.group, f"{plan.label} combine")
+        y = AllToAll.apply(y, plan.recv_splits, plan.send_splits, plan.group)
     return y.new_zeros((n_tokens, y.size(1))).index_add(0, plan.token, y)
 
 def grouped_mm(x, w, rows):
@@ -534,26 +732,9 @@ def grouped_experts(x, experts, rows):
     return grouped_mm(hidden, stack("c_proj"), rows) + bias("c_proj")[which]  # (R, D)
 
 # ---- Appendix ----
-# Dispatch, worked on 2 ranks: E = 4 experts, rank 0 holds e0 e1, rank 1 holds e2 e3; top-2; rank 0 has N = 3
-# tokens t0 t1 t2 (rank 1 has its own). Rank 0's router picks t0 -> (e2, e0), t1 -> (e1, e2), t2 -> (e3, e0).
-#  1. assignments, choice-major: a0..a2 are the first choices, a3..a5 the second: expert_idx = [2, 1, 3, 0, 2, 0].
-#  2. order = stable argsort by expert = [a3 a5 | a1 | a0 a4 | a2] (e0 | e1 | e2 | e3); the rows to send are
-#     x[order % N] = [t0 t2 | t1 | t0 t1 | t2]. Sorted by expert means sorted by rank: the first 3 rows stay
-#     on rank 0, the last 3 go to rank 1: send_splits = [3, 3]. (With a capacity, the assignments beyond it
-#     are moved to the end of `order` and cut off once the kept counts reach the host.)
-#  3. counts exchange: rank 0 sends kept = [2, 1 | 2, 1] (rows for e0 e1 | e2 e3); say rank 1 sends it [1, 0]
-#     for e0 e1. Rank 0 now knows recv_counts = [[2, 1], [1, 0]] (source x local expert), so recv_splits = [3, 1]
-#     and its experts see expert_rows = [3, 1] rows: these three lists are the layer's one .tolist().
-#  4. token exchange: rank 0 receives [t0 t2 t1 | s] (from itself: e0 e0 e1; from rank 1: s for e0), ordered by
-#     source, then expert. run_experts regroups by expert: eid = [0 0 1 0], regroup = argsort(eid) = [0 1 3 2]
-#     -> [t0 t2 s | t1], runs e0 on 3 rows and e1 on 1, and puts the outputs back in received order with the
-#     inverse permutation argsort(regroup).
-#  5. combine: the reverse exchange (splits swapped) returns to rank 0 its 6 rows in `order`; index_copy
-#     writes row i to assignment order[i], so y.view(k, N, D)[c, t] is token t's c-th expert output, which the
-#     gates weight and sum. Backward runs the same exchanges with the splits swapped again.
-#
 # Closed forms per rank, N tokens per micro-step, row = D x dtype bytes, uniform routing, dropless:
 #     all-to-all bytes/layer  4 x N k (ep-1)/ep rows (dispatch, combine, both again in backward) + (ep-1) E/ep x 8
+#     --naive bytes/layer     2 x (ep-1) N (1 + k) rows (all-gather, reduce-scatter, again in backward) + (ep-1) k N x 8
 #     all-reduce bytes/step   2 (W-1)/W x 4 B x dense params + 2 (W/ep-1)/(W/ep) x 4 B x local expert params
 #     memory                  16 B x (dense params + L x E/ep x 8 D^2): fp32 weights, grads, AdamW's 2 moments
 import argparse  # noqa: E402 (the appendix's own imports)
@@ -585,20 +766,17 @@ def a2a_bytes_closed(moes, ep, recompute, row_bytes):
     return total
 
 
-def a2a_bytes_uniform(args, n_tokens, row_bytes, drop=0.0):
+def a2a_bytes_uniform(args, n_tokens, row_bytes):
     """a2a_bytes_closed for one layer and one micro-step if routing were uniform (and not node-limited):
-    --dispatch expert: (ep-1)/ep of the kept N*k assignments leave the rank; --dispatch rank: a token goes
-    once to each other rank holding any of its k experts, which happens with chance
-    1 - C(E - E/ep, k) / C(E, k) per rank (1 for E/ep = 1: no saving when every rank holds one expert)."""
+    --dispatch expert: MoE.exchange_bytes; --dispatch rank: a token goes once to each other rank holding
+    any of its k experts, which happens with chance 1 - C(E - E/ep, k) / C(E, k) per rank (1 for
+    E/ep = 1: no saving when every rank holds one expert)."""
     ep, E, k = args.ep, args.experts, args.top_k
-    if ep == 1:
-        return 0.0
+    if getattr(args, "dispatch", "expert") != "rank" or ep == 1:
+        return MoE.exchange_bytes(args, n_tokens, row_bytes)
     fwd_passes, local = (2 if args.activation_checkpointing else 1), E // ep
-    if getattr(args, "dispatch", "expert") == "rank":
-        pairs = n_tokens * (1 - drop) * (ep - 1) * (1 - math.comb(E - local, k) / math.comb(E, k))
-        return fwd_passes * (pairs * (2 * row_bytes + 5 * local) + (ep - 1) * 8) + pairs * (2 * row_bytes + 4 * local)
-    rows = n_tokens * k * (1 - drop) * (ep - 1) / ep
-    return fwd_passes * (2 * rows * row_bytes + (ep - 1) * local * 8) + 2 * rows * row_bytes
+    pairs = n_tokens * (ep - 1) * (1 - math.comb(E - local, k) / math.comb(E, k))
+    return fwd_passes * (pairs * (2 * row_bytes + 5 * local) + (ep - 1) * 8) + pairs * (2 * row_bytes + 4 * local)
 
 
 def plot_expert_load(loads, args, path):
@@ -707,6 +885,10 @@ def check_options(args):
         gpt2.check_range(getattr(args, flag), "--" + flag.replace("_", "-"), 0, todo="give 0 (off) or a positive coefficient")
     if args.overlap_shared and not args.shared_expert:
         gpt2.fail("--overlap-shared without a shared expert to overlap", "--overlap-shared", "add --shared-expert")
+    if args.naive and uses_deepseek(args):  # DeepSeekMoE extends the all-to-all layer, not NaiveMoE
+        gpt2.fail("--naive runs the core's softmax router and all-gather exchange only, without DeepSeek-V3's "
+                  "options", "--naive", "drop --naive, or the options (--gate, --norm-topk, --balance bias, "
+                  "--shared-expert, --dispatch rank, --route-groups, --seq-aux-coef, --grouped-gemm)")
 
 
 def uses_deepseek(args):
@@ -719,7 +901,7 @@ def uses_deepseek(args):
 
 def cli(argv=None):
     """The whole command line: the core's flags and the options; DeepSeekMoE if an option asks for it, else the
-    core's MoE; then model.pt, the expert-load picture and the all-to-all bytes against uniform routing."""
+    core's MoE (NaiveMoE with --naive); then model.pt and the expert-load picture."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sample"]:
         return sample(argv[1:])
@@ -730,16 +912,11 @@ def cli(argv=None):
     option_defaults(args)
     check_args(args, world)
     check_options(args)
-    records, model = train(args, DeepSeekMoE if uses_deepseek(args) else MoE)
+    records, model = train(args, DeepSeekMoE if uses_deepseek(args) else NaiveMoE if args.naive else MoE)
     save_moe(model, args)
     steps = [r for r in records if "loss" in r]
     if int(os.environ.get("RANK", 0)) == 0 and steps:
         plot_expert_load([r["expert_load"] for r in steps], args, os.path.join(args.out, "expert_load.png"))
-        cuda = model.h[0].mlp.router.weight.is_cuda
-        row = model.config.n_embd * (2 if args.dtype == "bfloat16" or (args.dtype == "auto" and cuda) else 4)
-        uniform = args.grad_accum * len(model.h) * a2a_bytes_uniform(args, args.batch_size * args.seq_len, row,
-                                                                     steps[-1]["drop_rate"]) / 1e6
-        print0(f"a2a {steps[-1]['a2a_mb']:.3f} MB at the last step; uniform routing would send {uniform:.3f} MB")
         print0(f"wrote {args.out}/model.pt, loss.png, timeline.png and expert_load.png "
                f"(sample: python moe_ep.py sample --init-from {args.out}/model.pt)")
     return records

@@ -360,17 +360,17 @@ MUON_FLAGS = ("naive", "muon_lr", "muon_weight_decay", "momentum", "nesterov", "
 
 
 def make_parser():
-    p = gpt2.make_parser("Train GPT-2 with Muon on the block matrices (--muon-*) and AdamW (--lr) on "
-                         "the rest.")
+    p = gpt2.make_parser("Train GPT-2 with Muon on the block matrices (--muon-*) and AdamW "
+                         "(--lr) on the rest.")
     a = p.add_argument
     a("--optimizer", default="muon", choices=["muon", "adamw"], help="muon = Muon + AdamW; adamw = "
       "AdamW only")
-    a("--naive", action="store_true", help="the naive version: all-reduce every gradient, every rank "
-      "runs every NS")
+    a("--naive", action="store_true", help="the naive version: all-reduce every gradient, "
+      "every rank runs every NS")
     a("--muon-lr", type=float, help="Muon's peak lr, on --lr's schedule (default 0.02; --lr with "
       "match_rms_adamw)")
-    a("--muon-weight-decay", type=float, default=0.0, help="Muon's decoupled weight decay, p *= 1 - "
-      "muon_lr * wd")
+    a("--muon-weight-decay", type=float, default=0.0, help="Muon's decoupled weight decay, "
+      "p *= 1 - muon_lr * wd")
     a("--momentum", type=float, default=0.95, help="Muon's momentum")
     a("--nesterov", action=argparse.BooleanOptionalAction, default=True, help="Nesterov momentum")
     a("--ns-steps", type=int, default=5, help="Newton-Schulz iterations")
@@ -380,7 +380,7 @@ def make_parser():
 
 
 def refuse_idle_flags(args, parser, flags=MUON_FLAGS):
-    """--optimizer adamw trains no matrix with Muon: a Muon flag there would be read and do nothing."""
+    """--optimizer adamw trains no matrix with Muon: a Muon flag there would do nothing."""
     idle = [f for f in flags if getattr(args, f) != parser.get_default(f)]
     if args.optimizer == "adamw" and idle:
         flag = "--no-nesterov" if idle[0] == "nesterov" else "--" + idle[0].replace("_", "-")

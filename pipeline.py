@@ -1,36 +1,39 @@
 """
-pipeline.py - pipeline parallelism: GPT-2's blocks cut into P stages, one per rank; micro-batches stream through.
+pipeline.py - pipeline parallelism: GPT-2's blocks cut into P stages, one per rank; micro-batches
+stream through.
 
-The batch is split into M micro-batches. Only the activation at a cut, (B/M, T, C), moves down to the next
-stage, and its gradient moves back up. Naive (naive_step, --naive): every forward, then every backward, one
-blocking send/recv per message; a rank holds all M micro-batches. 1F1B (Pipeline.run, the default): after
-P-1-rank warm-up forwards, one forward then one backward: the same bubble, (P-1)/(M+P-1) of the step, but a rank
-holds only P - rank micro-batches, and the messages are planned (plan_messages) into batch_isend_irecv calls that
-run beside compute and never wait on each other in a cycle (on NCCL a send may block until its receive is posted).
-1F1B at P=2, M=4, as planned (a/g: activation/gradient of a micro-batch; the batch, then the op):
-   op  rank 0                       rank 1
-    0  F0                           recv a0 | F0
-    1  send a0 | F1                 recv a1 | B0
-    2  send a1, recv g0 | B0        send g0 | F1
-    3  F2                           B1
-    4  send a2, recv g1 | B1        send g1, recv a2 | F2
-    5  F3                           B2
-    6  send a3, recv g2 | B2        send g2, recv a3 | F3
-    7  recv g3 | B3                 B3
-  end                               send g3
-Who sums what (stage r: blocks [r*L/P, (r+1)*L/P); rank 0 also wte and wpe, rank P-1 ln_f and lm_head = wte):
-  loss         the last stage scales each micro-batch's mean loss by 1/(M x --grad-accum): gradients of the mean
-  stage grads  autograd sums them over the micro-batches (+=); never across stages (no two share a weight but wte)
-  wte/lm_head  one copy on rank 0 (embedding), one on rank P-1 (head): gradients summed over that pair
-  --dp D       D pipelines on different data: every gradient summed over its stage's D replicas, then / D
-  logged loss  the last stages' sums, summed over the world, / D; one .item() per step (the only host sync)
-  clip norm    each rank's sum of squares (wte counted once, on rank 0), summed over the pipeline: every rank
-               scales by the same min(1, clip / norm), as torch.nn.utils.clip_grad_norm_ on the whole model
-Read first: naive_step, one_f_one_b, plan_messages, Pipeline.run, train. Beyond the core: --schedule gpipe, zbh1,
-interleaved, dualpipe, dualpipev (subclasses); after training, one batch timed under both loops: their bubbles.
-Launch: torchrun --nproc_per_node=2 pipeline.py --micro-batches 4 --batch-size 8 (= python gpt2.py train --batch-size 8)
+The batch is split into M micro-batches. Only the activation at a cut, (B/M, T, C), moves down to
+the next stage, and its gradient moves back up, point to point. naive_step (--naive): every forward,
+then every backward; a rank holds all M micro-batches. one_f_one_b (the default, PipeDream-Flush):
+P-1-s warm-up forwards on stage s, then one forward, one backward: the same bubble, (P-1)/(M+P-1) of
+the step, but stage s holds only P - s micro-batches. Each exchange is one batch_isend_irecv,
+waited; a send is paired by hand with the receive the peer posts at the same point of its loop (on
+NCCL a send may block until its receive is posted: two ranks each sending alone first would hang).
+1F1B, P=2, M=4, as the loop runs ([...]: one batch_isend_irecv; >a1 sends micro-batch 1's
+activation, <g0 receives micro-batch 0's gradient):
+  rank 0  F0 [>a0] F1 [>a1 <g0] B0 F2 [>a2 <g1] B1 F3 [>a3 <g2] B2 [<g3] B3
+  rank 1  [<a0] F0 B0 [>g0 <a1] F1 B1 [>g1 <a2] F2 B2 [>g2 <a3] F3 B3 [>g3]
+Who sums what (stage s: blocks [s*L/P, (s+1)*L/P); stage 0 also wte, wpe; stage P-1 ln_f, lm_head):
+  loss       the last stage scales each micro-batch's mean loss by 1/(M x --grad-accum)
+  grads      autograd sums them over the micro-batches (+=); no two stages share a weight but wte
+  wte        one copy on stage 0 (embedding), one on stage P-1 (lm_head): their gradients summed
+  norm       each rank's sum of squares (wte counted once, on stage 0) summed over the pipeline:
+             every rank clips by the same min(1, clip / norm), as clip_grad_norm_ on the whole model
+  logged     the loss all-reduced, read with the norm in the step's one host sync
+Payoff (printed, and OUT/metrics.jsonl's summary): 3 more batches timed op by op, their bubble
+(each rank's idle share of the step, averaged) beside the closed form; micro-batches held per rank.
+Read first: naive_step, one_f_one_b, Pipeline.exchange, .forward, .backward, train.
+Beyond the core: messages planned ahead, in flight while ranks compute (plan_messages); --schedule
+gpipe, zbh1, interleaved, dualpipe, dualpipev; --dp D replicas. Appendix: each schedule's closed
+form and picture (OUT/schedule.png), the checks, the CLI.
+Run (the data: python gpt2.py prepare --text ../shared/data/tinyshakespeare.txt --tokenizer char
+--out data/shakespeare_char):
+  torchrun --nproc_per_node=2 pipeline.py --data data/shakespeare_char --steps 20 --out out/pp
+It ends (gpt2.py's losses; the bubble varies a little from run to run):
+  step    19 | loss 3.1000 | norm 1.2339 | lr 1.00e-03 | ... | comm 1.11 MB
+  bubble 0.24 of the step (measured, ... ms) | closed form (P-1)/(M+P-1) = 0.200
+  micro-batches held at once per rank: [2, 1] of M=4 (1F1B: P - stage)
 """
-import collections
 import functools
 import os
 import time
@@ -42,46 +45,320 @@ import torch.nn as nn
 import gpt2
 from gpt2 import print0
 
-Op = collections.namedtuple("Op", "kind stage mb")  # kind F (forward) | B (backward); one micro-batch on one stage
 
-
-def naive_step(pipe, x, y, scale):
-    """--naive (picotron's all-forward-all-backward): every forward, then every backward, each message a blocking
-    send or recv. No deadlock: activations flow only down, gradients only up, received in the order sent."""
-    s, last, dev = pipe.pp_rank, pipe.pp_rank == pipe.P - 1, pipe.ctx.device
-    up, down = pipe.base + s - 1, pipe.base + s + 1  # global ranks of the previous and the next stage
+def forwards(pipe, x, y, scale):
+    """Every micro-batch's forward in turn: the activation in, my blocks, my output out."""
     pipe.start(x, y, scale)
-    for mb in range(pipe.M):  # all forwards: receive the activation, run my blocks, send my output down
-        h = torch.empty(pipe.act_shape, device=dev) if s > 0 else None  # (B/M, T, C), fp32: the residual stream
-        if s > 0:
-            dist.recv(h, up)
-        out = pipe.compute(Op("F", s, mb), h)  # (("act", s + 1, mb), my output) or None on the last stage
-        if out is not None:
-            pipe.comm.send(out[1].nbytes)
-            dist.send(out[1].detach(), down)
-    for mb in range(pipe.M):  # all backwards: receive my output's gradient, backpropagate, send mine up
-        grad = torch.empty(pipe.act_shape, device=dev) if not last else None  # (B/M, T, C)
-        if not last:
-            dist.recv(grad, down)
-        out = pipe.compute(Op("B", s, mb), grad)  # (("grad", s - 1, mb), my input's gradient) or None on stage 0
-        if out is not None:
-            pipe.comm.send(out[1].nbytes)
-            dist.send(out[1], up)
+    for mb in range(pipe.M):
+        h = pipe.exchange(recv_from=pipe.up)  # (B/M, T, C), or None on the first stage
+        pipe.exchange(pipe.down, pipe.compute("F", mb, h))
     return pipe.loss_sum
 
 
-def one_f_one_b(P, M, rank):
-    """1F1B (PipeDream-Flush): naive_step's bubble, but rank r holds P - r micro-batches' activations, not M."""
-    warmup = min(P - 1 - rank, M)  # forwards to issue before the first backward comes back
+def naive_step(pipe, x, y, scale):
+    """--naive (picotron's all-forward-all-backward): every forward, then every backward, one
+    message per exchange. No cycle: activations flow only down, gradients only up, in order."""
+    forwards(pipe, x, y, scale)
+    for mb in range(pipe.M):  # my output's gradient in, backpropagate, my input's gradient out
+        grad = pipe.exchange(recv_from=pipe.down)  # (B/M, T, C), or None on the last stage
+        pipe.exchange(pipe.up, pipe.compute("B", mb, grad))
+    return pipe.loss_sum
+
+
+def one_f_one_b(pipe, x, y, scale):
+    """1F1B (PipeDream-Flush): naive_step's bubble, but stage s holds P - s micro-batches, not M. In
+    the steady state a forward's send down rides with the receive of a gradient from below, and a
+    backward's send up with the receive of the next activation: the peer posts the mirror pair."""
+    P, M, s = pipe.P, pipe.M, pipe.stage
+    warmup = min(P - 1 - s, M)  # forwards to issue before the first backward comes back
+    pipe.start(x, y, scale)
+    for mb in range(warmup):
+        h = pipe.exchange(recv_from=pipe.up)
+        pipe.exchange(pipe.down, pipe.compute("F", mb, h))
+    h = pipe.exchange(recv_from=pipe.up) if warmup < M else None
+    for i in range(M - warmup):  # steady state: forward warmup + i, then backward i
+        out = pipe.compute("F", warmup + i, h)
+        grad = pipe.exchange(pipe.down, out, recv_from=pipe.down)  # activation down, gradient up
+        more = warmup + i + 1 < M  # a forward still to come: its activation rides with my gradient
+        h = pipe.exchange(pipe.up, pipe.compute("B", i, grad), recv_from=pipe.up if more else None)
+    for mb in range(M - warmup, M):  # cooldown: drain the backwards
+        grad = pipe.exchange(recv_from=pipe.down)
+        pipe.exchange(pipe.up, pipe.compute("B", mb, grad))
+    return pipe.loss_sum
+
+
+def keep_only(model, layers, first, last):
+    """Strip the model, in place, to a stage's blocks, the embeddings if first, ln_f and lm_head (=
+    wte) if last."""
+    for i in set(range(model.config.n_layer)) - set(layers):
+        model.h[i] = nn.Identity()
+    model.wte, model.wpe = (model.wte, model.wpe) if first else (None, None)
+    model.ln_f, model.lm_head = (model.ln_f, model.lm_head) if last else (None, None)
+    return model
+
+
+class Pipeline:
+    """This rank's stage of GPT-2 (its blocks; the embeddings on the first stage, ln_f and the head
+    on the last), the exchange and the two ops the loops call, and the step's sums. saved: per
+    (stage, micro-batch) what its backward needs; spans: the step's ops, timed (the bubble is the
+    time outside them)."""
+
+    def __init__(self, args, ctx, P):
+        self.args, self.ctx, self.P, self.M = args, ctx, P, args.micro_batches
+        self.S, self.stage = P, ctx.rank % P  # P stages, one per rank
+        self.up = self.rank_of(self.stage - 1) if self.stage > 0 else None  # the neighbours' ranks
+        self.down = self.rank_of(self.stage + 1) if self.stage < P - 1 else None
+        self.comm, self.spans, self.peak_held = gpt2.CommMeter(), [], 0
+        model = gpt2.build_model(args)  # the full model from --seed, then only this rank's stage
+        self.cfg, self.n_params, per = model.config, model.num_params(), model.config.n_layer // P
+        self.layers = {s: (s * per, (s + 1) * per) for s in range(P)}  # blocks [lo, hi) per stage
+        self.first, self.last = self.stage == 0, self.stage == P - 1
+        mine = range(*self.layers[self.stage])
+        self.model = keep_only(model, mine, self.first, self.last).to(ctx.device)
+        for i in mine if args.compile else ():  # per block: the cuts between stages stay Python
+            self.model.h[i].compile()
+        self.wire_dtype, self.resid_dtype = ctx.dtype, torch.float32  # bf16 messages on GPUs
+        self.make_groups()
+        if ctx.world > 1:
+            dist.barrier()  # every NCCL communicator up before the first batch_isend_irecv
+
+    def rank_of(self, stage):  # the global rank that runs a stage
+        return stage
+
+    def make_groups(self):  # every rank creates every group, in the same order; None: the default
+        self.pipe_group = None  # the whole pipeline: the clip norm's sum
+        ends = [self.rank_of(0), self.rank_of(self.P - 1)]  # the two copies of wte
+        self.embed_group = dist.new_group(ends) if self.P > 1 else None
+
+    def loaders(self):  # every stage reads the whole batch: the first needs x, the last y
+        return gpt2.make_loaders(self.args, vocab_size=self.cfg.vocab_size)
+
+    def start(self, x, y, scale):
+        self.saved, self.spans = {}, []
+        B = x.size(0) // self.M
+        self.act_shape, self.scale = (B, x.size(1), self.cfg.n_embd), scale
+        self.xs, self.ys = (t.to(self.ctx.device, non_blocking=True).split(B) for t in (x, y))
+        self.loss_sum = torch.zeros((), device=self.ctx.device)  # xs, ys: M x (B/M, T)
+
+    def step(self, x, y, scale):  # one micro-step's forwards and backwards -> this rank's loss sum
+        return (naive_step if self.args.naive else one_f_one_b)(self, x, y, scale)
+
+    def forward_only(self, x, y, scale):  # evaluation
+        return forwards(self, x, y, scale)
+
+    def exchange(self, send_to=None, tensor=None, recv_from=None):
+        """One batch_isend_irecv, waited: `tensor` to rank send_to, an activation-shaped tensor from
+        rank recv_from (None: no such message) -> what was received. CUDA: the stream waits."""
+        ops, got = [], None
+        if send_to is not None:
+            tensor = tensor.detach().to(self.wire_dtype).contiguous()
+            self.comm.send(tensor.nbytes)
+            ops.append(dist.P2POp(dist.isend, tensor, send_to))
+        if recv_from is not None:
+            got = torch.empty(self.act_shape, dtype=self.wire_dtype, device=self.ctx.device)
+            ops.append(dist.P2POp(dist.irecv, got, recv_from))
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
+        return got
+
+    def compute(self, kind, mb, h):
+        """F (forward) or B (backward) of micro-batch mb on my stage; its span kept (the bubble)."""
+        start = self.clock()
+        out = (self.forward if kind == "F" else self.backward)(self.stage, mb, h)
+        self.spans.append(((kind, self.stage, mb), start, self.clock()))
+        return out
+
+    def clock(self):  # CUDA: an event recorded on the stream, read after the step; CPU: ms
+        if self.ctx.device.type != "cuda":
+            return time.perf_counter() * 1e3
+        return torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
+
+    def forward(self, s, mb, h):
+        """Stage s on micro-batch mb, h its input (B/M, T, C) (None on stage 0: the tokens) -> its
+        output, or None on the last stage, which adds the micro-batch's scaled loss to loss_sum."""
+        with self.ctx.autocast():
+            if s == 0:
+                h_in, h = None, self.model.embed(self.xs[mb])  # (B/M, T, C)
+            else:
+                h_in = h = h.to(self.resid_dtype).requires_grad_(torch.is_grad_enabled())
+            h = self.model.forward_blocks(h, *self.layers[s])  # (B/M, T, C)
+            if s == self.S - 1:  # the step's loss: the mean over micro-batches, each scaled by 1/M
+                out = self.model.head_loss(h, self.ys[mb]) * self.scale
+                self.loss_sum += out.detach().float()
+        if s < self.S - 1:  # backward needs the graph behind h, not h: once sent, h is freed
+            out = torch.autograd.graph.get_gradient_edge(h) if torch.is_grad_enabled() else None
+        if torch.is_grad_enabled():
+            self.saved[(s, mb)] = (h_in, out)
+            self.peak_held = max(self.peak_held, len(self.saved))
+        return h if s < self.S - 1 else None
+
+    def backward(self, s, mb, grad):
+        """Micro-batch mb back through stage s from its output's gradient (None on the last stage:
+        from the loss) -> its input's gradient (B/M, T, C), or None on stage 0."""
+        h_in, out = self.saved.pop((s, mb))
+        torch.autograd.backward(out, None if grad is None else grad.to(self.resid_dtype))
+        return h_in.grad if s > 0 else None
+
+    def all_reduce(self, tensor, group=None):  # a SUM, its bytes counted by the pipeline's meter
+        self.comm.all_reduce(tensor.nbytes, dist.get_world_size(group))
+        dist.all_reduce(tensor, group=group)
+
+    def sync_grads(self):
+        """The tied wte/lm_head: the first and the last stage's copies of its gradient summed."""
+        if self.P > 1 and (self.first or self.last):
+            tied = self.model.wte if self.first else self.model.lm_head
+            self.all_reduce(tied.weight.grad, self.embed_group)
+
+    def clip_grad_norm(self, max_norm):
+        """gpt2.clip_grad_norm_ over the pipeline (max_norm 0: no clip) -> the norm before clipping:
+        squares summed over the stages, the tied wte counted once, on stage 0. No host sync."""
+        head = self.model.lm_head.weight if self.P > 1 and self.last else None  # wte's 2nd copy
+        sq = sum((p.grad.float().pow(2).sum() for p in self.model.parameters() if p is not head),
+                 torch.zeros((), device=self.ctx.device))
+        if self.P > 1:
+            self.all_reduce(sq, self.pipe_group)  # the sum of squares over the stages
+        norm = sq.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # a tensor: no host sync
+        for p in self.model.parameters() if max_norm > 0 else ():
+            p.grad.mul_(coef)
+        return norm
+
+    def global_loss(self, loss_sum):  # the last stage holds it: the sum over ranks is the step's
+        if self.ctx.world > 1:
+            self.all_reduce(loss_sum)
+        return loss_sum
+
+
+def check_args(args, P):
+    """A batch its micro-batches do not divide (rows would be dropped) or blocks that do not split
+    into P stages (a block would be dropped): one line before the first collective (gpt2.fail)."""
+    gpt2.check_range(args.micro_batches, "--micro-batches", 1, todo="give a positive integer")
+    M, L = args.micro_batches, gpt2.model_config(args).n_layer
+    if args.batch_size % M:
+        gpt2.fail(f"--batch-size {args.batch_size} is not divisible by --micro-batches {M}",
+                  "--micro-batches", "give a divisor of --batch-size")
+    if L % P:
+        gpt2.fail(f"{L} layers do not split into {P} stages (P={P} ranks per pipeline)",
+                  "--n-layer", f"give a multiple of {P} layers, or another number of ranks")
+
+
+def measure_bubble(pipe, batches):
+    """The batches once more through pipe.step, every op timed, their gradients dropped -> the
+    figures: the bubble (per rank, the share of the steps, from the ranks' common start to the last
+    rank's end, spent outside its ops; averaged over the ranks), the closed form (P-1)/(M+P-1)
+    (equal stages, free messages) and the most micro-batches each rank held at once."""
+    cuda, busy, total, pipe.peak_held = pipe.ctx.device.type == "cuda", 0.0, [], 0
+    ms = (lambda a, b: a.elapsed_time(b)) if cuda else (lambda a, b: b - a)
+    for x, y in batches:
+        if pipe.ctx.world > 1:
+            dist.barrier()  # the ranks start together, so their clocks line up
+        start = pipe.clock()
+        pipe.step(x, y, 1.0)
+        total.append((start, pipe.clock()))
+        if cuda:
+            torch.cuda.synchronize()  # the events are done: read them
+        busy += sum(ms(a, b) for _, a, b in pipe.spans)
+    pipe.model.zero_grad(set_to_none=True)
+    mine = torch.tensor([busy, *(ms(a, b) for a, b in total), pipe.peak_held], dtype=torch.float64,
+                        device=pipe.ctx.device)  # (2 + batches,)
+    every = [torch.zeros_like(mine) for _ in range(pipe.ctx.world)]
+    if pipe.ctx.world > 1:
+        dist.all_gather(every, mine)
+    every = torch.stack(every if pipe.ctx.world > 1 else [mine])[:pipe.P]  # (P, 2 + batches)
+    step_ms = every[:, 1:-1].max(0).values.sum().item()  # each step until its last rank is done
+    return {"bubble": (1 - every[:, 0] / step_ms).mean().item(), "step_ms": step_ms / len(total),
+            "bubble_closed_form": (pipe.P - 1) / (pipe.M + pipe.P - 1),
+            "held": [int(h) for h in every[:, -1].tolist()]}
+
+
+def train(args, P, Pipe=Pipeline):
+    """gpt2.train's loop: lr, micro-steps (pipe.step: 1F1B or naive_step), gradients synced, clip,
+    step, log, eval; then the payoff: 3 more batches timed, their bubble beside the closed form."""
+    check_args(args, P)
+    ctx = gpt2.setup(args)
+    pipe = Pipe(args, ctx, P)
+    train_loader, val_loader = pipe.loaders()
+    opt = gpt2.make_adamw(gpt2.optimizer_groups(pipe.model, args.weight_decay), args, ctx.device)
+    tokens = args.batch_size * args.seq_len * args.grad_accum * train_loader.world  # all readers
+    metrics = gpt2.Metrics(args, ctx, pipe.cfg, pipe.n_params, tokens)
+    profiler = gpt2.Profiler(args, ctx)
+    print0(f"{'naive' if args.naive else type(pipe).__name__}: P={P} stages, M={pipe.M} "
+           f"micro-batches of {args.batch_size // pipe.M} | device {ctx.device} {ctx.dtype}")
+    scale = 1.0 / (args.micro_batches * args.grad_accum)  # the step's loss: the mean of them all
+    for step in range(args.steps):
+        profiler.step(step)
+        metrics.start_step()
+        lr = gpt2.set_lr(opt, step, args)
+        # on the device: pinned, so the copy is asynchronous on CUDA (no host sync)
+        batches = (train_loader.next_batch(ctx.device) for _ in range(args.grad_accum))
+        loss_sum = sum(pipe.step(x, y, scale) for x, y in batches)
+        pipe.sync_grads()
+        loss = pipe.global_loss(loss_sum)
+        norm = pipe.clip_grad_norm(args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_val, norm_val = torch.stack([loss, norm]).tolist()  # the step's one host sync
+        gpt2.check_finite(loss_val, step)
+        metrics.log_step(step, loss_val, lr, comm_mb=pipe.comm.take_mb(), grad_norm=norm_val)
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            pipe.model.eval()  # gpt2.evaluate averages over every rank: the last stage's loss x P
+            val_loss = functools.partial(pipe.forward_only, scale=P / pipe.M)
+            metrics.log_val(step, gpt2.evaluate(val_loss, val_loader, args.eval_steps, ctx.device))
+            pipe.model.train()
+    metrics.plot()
+    fig = measure_bubble(pipe, [train_loader.next_batch(ctx.device) for _ in range(3)])
+    print0(f"bubble {fig['bubble']:.3f} of the step (measured, {fig['step_ms']:.1f} ms) | closed "
+           f"form (P-1)/(M+P-1) = {fig['bubble_closed_form']:.3f}")
+    print0(f"micro-batches held at once per rank: {fig['held']} of M={pipe.M} (1F1B: P - stage)")
+    metrics.log_summary(fig)
+    return pipe
+
+
+def make_parser():
+    p = gpt2.make_parser("Train GPT-2 with pipeline parallelism (1F1B; --naive: all forwards, "
+                         "then all backwards).")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches M of --batch-size")
+    p.add_argument("--naive", action="store_true", help="all forwards, then all backwards")
+    return p
+
+
+def main(argv=None):
+    args = make_parser().parse_args(argv)
+    train(args, int(os.environ.get("WORLD_SIZE", 1)))
+
+
+# ---- Beyond the core ----
+# The core's loops wait for every exchange. Below: messages planned ahead (plan_messages), in flight
+# while the ranks compute, as the schedules need (each a PlannedPipeline, chosen in the appendix):
+#   GPipe: all forwards, then all backwards, with planned messages (Huang et al. 2019)
+#   SplitBackward: a backward split into I (input gradient) now and W (weight gradient) later (Qi et al. 2023, 2)
+#   ZBH1: 1F1B with W's deferred into the cooldown (Qi et al. 2023, 3.1)
+#   MultiStage: several stages per rank; Interleaved: --virtual-stages V chunks per rank (Narayanan et al.
+#   2021, 2.2, Megatron-LM's order); DualPipe: two directions, two copies of every stage (DeepSeek-V3 3.2.1);
+#   DualPipeV: DualPipe folded into a V, one copy (deepseek-ai/DualPipe, torch's ScheduleDualPipeV)
+#   simulate_paired: DualPipe as DeepSeek runs it, each F&B pair one unit (DeepSeek-V3 table 2)
+#   Replicas: --dp D pipelines on different data, every gradient averaged over a stage's D replicas
+# Notation: F forward, B full backward = I (input gradient) + W (weight gradient); the zero-bubble paper's B is I.
+import collections  # noqa: E402
+
+import torch.nn.functional as F  # noqa: E402
+
+Op = collections.namedtuple("Op", "kind stage mb")  # kind F | B | I | W; one micro-batch on one stage
+
+
+def one_f_one_b_ops(P, M, rank):
+    """The core's one_f_one_b as an op list (what its spans show): P-1-rank warm-up forwards, then one
+    forward one backward, then the remaining backwards."""
+    warmup = min(P - 1 - rank, M)
     ops = [Op("F", rank, i) for i in range(warmup)]
-    for i in range(M - warmup):  # steady state: one forward, one backward
+    for i in range(M - warmup):
         ops += [Op("F", rank, warmup + i), Op("B", rank, i)]
-    return ops + [Op("B", rank, i) for i in range(M - warmup, M)]  # cooldown: drain the backwards
+    return ops + [Op("B", rank, i) for i in range(M - warmup, M)]
 
 
 def message_in(op, S):
-    """What an op waits for, keyed by the receiving stage: F the activation from above, a backward (B; I beyond
-    the core) its output's gradient from below; None at the ends of the pipeline."""
+    """What an op waits for, keyed by the receiving stage: F the activation from above, a backward (B, I)
+    its output's gradient from below; None at the ends of the pipeline."""
     from_below = op.kind != "F"  # a gradient comes up from stage + 1, an activation down from stage - 1
     key = ("grad" if from_below else "act", op.stage, op.mb)
     return key if op.kind in "FBI" and 0 < op.stage + from_below < S else None
@@ -135,53 +412,38 @@ def plan_messages(orders, owner):
     return plans
 
 
-def keep_only(model, layers, first, last):
-    """Strip the model, in place, to a rank's blocks, the embeddings if first, ln_f and lm_head (= wte) if last."""
-    for i in set(range(model.config.n_layer)) - set(layers):
-        model.h[i] = nn.Identity()
-    model.wte, model.wpe = (model.wte, model.wpe) if first else (None, None)
-    model.ln_f, model.lm_head = (model.ln_f, model.lm_head) if last else (None, None)
-    return model
-
-
-class Pipeline:
-    """Rank r's stage of GPT-2 and the 1F1B executor over it. inbox: posted receives by key; outbox: outputs
-    awaiting their batch; saved: per (stage, micro-batch) what its backward needs. What 1F1B improves over
-    naive_step: P - rank micro-batches held, not M, and messages in flight while the rank computes."""
+class PlannedPipeline(Pipeline):
+    """The executor the schedules share: every rank's op list (op_list), every message planned ahead
+    (plan_messages), each op's sends and the receives of ops to come issued in one batch_isend_irecv that
+    is not waited for: messages fly while the rank computes. inbox: posted receives by key; outbox: outputs
+    awaiting their batch; sent: sends in flight (their buffers kept alive). Its own op list is 1F1B's."""
 
     def __init__(self, args, ctx, P):
-        self.args, self.ctx, self.P, self.M, self.D = args, ctx, P, args.micro_batches, args.dp
-        self.pp_rank, self.replica, self.base, self.S = ctx.rank % P, ctx.rank // P, ctx.rank // P * P, P
-        self.comm, self.timing, self.spans, self.peak_held = gpt2.CommMeter(), False, [], 0
-        model = gpt2.build_model(args)  # the full model from --seed, then keep only this rank's stage
-        self.cfg, self.n_params, per = model.config, model.num_params(), model.config.n_layer // P
-        self.layers = {s: (s * per, (s + 1) * per) for s in range(P)}  # blocks [lo, hi) of each stage
-        self.first, self.last = self.pp_rank == 0, self.pp_rank == P - 1
-        self.model = keep_only(model, range(*self.layers[self.pp_rank]), self.first, self.last).to(ctx.device)
-        for i in range(*self.layers[self.pp_rank]) if args.compile else ():  # per block: the cuts stay Python
-            self.model.h[i].compile()
+        super().__init__(args, ctx, P)
+        self.pp_rank = self.stage
         self.orders = [self.op_list(r) for r in range(P)]
-        self.plan = plan_messages(self.orders, lambda stage, mb: stage)  # every message of a step, in advance
-        self.wire_dtype, self.resid_dtype = ctx.dtype, torch.float32  # messages in bf16 on GPUs, residuals fp32
-        self.make_groups()
-        if ctx.world > 1:
-            dist.barrier()  # brings every NCCL communicator up before the first (partial) batch_isend_irecv
+        self.plan = plan_messages(self.orders, self.owner)  # every message of a step, in advance
+        self.eval_orders, self.eval_plan = self.forward_plan()
 
     def op_list(self, rank):
-        return one_f_one_b(self.P, self.M, rank)
+        return one_f_one_b_ops(self.P, self.M, rank)
 
-    def make_groups(self):  # every rank creates every group, in the same order; None: the default group
-        P, D = self.P, self.D
-        new = lambda ranks: dist.new_group(ranks) if 1 < len(ranks) < self.ctx.world else None  # noqa: E731
-        self.pp_group = [new(list(range(d * P, (d + 1) * P))) for d in range(D)][self.replica]  # loss, clip norm
-        self.dp_group = [new(list(range(p, P * D, P))) for p in range(P)][self.pp_rank]  # a stage's D replicas
-        self.embed_group = [new([d * P, d * P + P - 1]) for d in range(D)][self.replica] if P > 1 else None  # tied wte
+    def owner(self, stage, mb):  # the pipeline rank that runs a stage for a micro-batch
+        return stage
+
+    def forward_plan(self):  # evaluation: forwards only, in stage order
+        orders = [[Op("F", r, i) for i in range(self.M)] for r in range(self.P)]
+        return orders, plan_messages(orders, self.owner)
+
+    def step(self, x, y, scale):
+        return self.run(x, y, scale)
+
+    def forward_only(self, x, y, scale):
+        return self.run(x, y, scale, self.eval_orders, self.eval_plan)
+
     def start(self, x, y, scale):
-        self.inbox, self.outbox, self.sent, self.saved, self.spans = {}, {}, [], {}, []
-        B = x.size(0) // self.M
-        self.act_shape, self.scale = (B, x.size(1), self.cfg.n_embd), scale
-        self.xs, self.ys = (t.to(self.ctx.device, non_blocking=True).split(B) for t in (x, y))  # M x (B/M, T)
-        self.loss_sum = torch.zeros((), device=self.ctx.device)
+        super().start(x, y, scale)
+        self.inbox, self.outbox, self.sent = {}, {}, []
 
     def send(self, message, batch):
         """Queue an op's output (key, tensor), then issue the planned batch that follows the op."""
@@ -195,55 +457,28 @@ class Pipeline:
         tag = lambda key: ((key[0] == "grad") * self.S + key[1]) * self.M + key[2]  # noqa: E731
         buffer = lambda: torch.empty(self.act_shape, dtype=self.wire_dtype, device=self.ctx.device)  # noqa: E731
         self.comm.send(sum(self.outbox[key].nbytes for kind, _, key in batch if kind == "send"))
-        ops = [dist.P2POp(dist.isend, self.outbox.pop(key), self.base + peer, tag=tag(key)) if kind == "send" else
-               dist.P2POp(dist.irecv, buffer(), self.base + peer, tag=tag(key)) for kind, peer, key in batch]
+        ops = [dist.P2POp(dist.isend, self.outbox.pop(key), self.rank_of(peer), tag=tag(key)) if kind == "send"
+               else dist.P2POp(dist.irecv, buffer(), self.rank_of(peer), tag=tag(key)) for kind, peer, key in batch]
         if ops:
             works = dist.batch_isend_irecv(ops)
-            per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)  # gloo: one each; NCCL: one
+            per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)  # gloo: one each
             for (kind, _, key), op, w in zip(batch, ops, per_op):
                 if kind == "send":
                     self.sent.append((w, op.tensor))
                 else:
                     self.inbox[key] = (op.tensor, w)
-        # a sent output is freed once its send is done (Megatron's deallocate_output_tensor: backward needs the graph)
+        # a sent output is freed once its send is done (Megatron's deallocate_output_tensor)
         self.sent = [(w, t) for w, t in self.sent if not all(x.is_completed() for x in w)]
 
-    def compute(self, op, h):
-        """One op on its input h (or None) -> the message it sends (or None); timed when measuring (no host sync)."""
-        start = self.clock() if self.timing else None
-        message = self.forward(op, h) if op.kind == "F" else self.backward(op, h)
-        if self.timing:
-            self.spans.append((op, start, self.clock()))
-        self.peak_held = max(self.peak_held, len(self.saved))
-        return message
+    def run_op(self, op, h):
+        """One op on its input h (or None) -> its output (or None); its span kept, as the core's compute."""
+        start = self.clock()
+        out = self.op_function(op.kind)(op.stage, op.mb, h)
+        self.spans.append((op, start, self.clock()))
+        return out
 
-    def clock(self):  # CUDA: an event recorded on the stream, read after the step; CPU: the host clock in ms
-        if self.ctx.device.type != "cuda":
-            return time.perf_counter() * 1e3
-        return torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
-
-    def forward(self, op, h):
-        s, mb = op.stage, op.mb
-        with self.ctx.autocast():
-            if s == 0:
-                h_in, h = None, self.model.embed(self.xs[mb])  # (B/M, T, C)
-            else:
-                h_in = h = h.to(self.resid_dtype).requires_grad_(torch.is_grad_enabled())
-            h = self.model.forward_blocks(h, *self.layers[s])  # (B/M, T, C)
-            if s == self.S - 1:  # the step's loss is the mean over micro-batches: each is scaled by 1/M
-                out = self.model.head_loss(h, self.ys[mb]) * self.scale
-                self.loss_sum += out.detach().float()
-        if s < self.S - 1:  # backward needs the graph behind h, not h: once sent, h is freed
-            out = torch.autograd.graph.get_gradient_edge(h) if torch.is_grad_enabled() else None
-        if torch.is_grad_enabled():
-            self.saved[(s, mb)] = (h_in, out)
-        return (("act", s + 1, mb), h) if s < self.S - 1 else None
-
-    def backward(self, op, grad):
-        s, mb = op.stage, op.mb
-        h_in, out = self.saved.pop((s, mb))
-        torch.autograd.backward(out, None if grad is None else grad.to(self.resid_dtype))
-        return (("grad", s - 1, mb), h_in.grad) if s > 0 else None
+    def op_function(self, kind):
+        return {"F": self.forward, "B": self.backward}[kind]
 
     def run(self, x, y, scale, orders=None, plan=None):
         """One step of this rank's op list and planned messages (or evaluation's): per op receive, compute,
@@ -256,107 +491,46 @@ class Pipeline:
             h, works = self.inbox.pop(key) if key is not None else (None, [])
             for w in works:
                 w.wait()  # on CUDA the stream waits, not the host
-            out = self.compute(op, h)
-            self.send(out, plan[me][i + 1])
+            out = self.run_op(op, h)
+            key = message_out(op, self.S)
+            self.send((key, out) if key is not None and out is not None else None, plan[me][i + 1])
         for w in (w for works, _ in self.sent for w in works):
             w.wait()
         assert not (self.inbox or self.outbox or self.saved), "schedule left work behind"
         return self.loss_sum
 
-    def all_reduce(self, tensor, group=None):  # a SUM, its bytes counted by the meter the pipeline holds
-        self.comm.all_reduce(tensor.nbytes, dist.get_world_size(group))
-        dist.all_reduce(tensor, group=group)
+
+class Replicas(Pipeline):
+    """--dp D: D pipelines on different rows of the global batch (ranks d*P .. d*P+P-1 form replica d);
+    the tied wte summed within each pipeline, then every gradient averaged over its stage's D replicas.
+    Mixed in front of any single-stage class (MultiStage handles D itself)."""
+
+    def __init__(self, args, ctx, P):
+        self.D, self.replica = args.dp, ctx.rank // P
+        super().__init__(args, ctx, P)
+
+    def rank_of(self, stage):
+        return self.replica * self.P + stage
+
+    def make_groups(self):  # every rank creates every group, in the same order; None: the default group
+        P, D = self.P, self.D
+        new = lambda ranks: dist.new_group(ranks) if 1 < len(ranks) < self.ctx.world else None  # noqa: E731
+        self.pipe_group = [new(list(range(d * P, (d + 1) * P))) for d in range(D)][self.replica]
+        self.dp_group = [new(list(range(p, P * D, P))) for p in range(P)][self.stage]  # a stage's D replicas
+        self.embed_group = [new([d * P, d * P + P - 1]) for d in range(D)][self.replica] if P > 1 else None
+
+    def loaders(self):
+        return gpt2.make_loaders(self.args, self.replica, self.D, self.cfg.vocab_size)
 
     def sync_grads(self):
-        """The tied wte/lm_head summed over its two copies, then every gradient averaged over the D replicas."""
-        params = list(self.model.parameters())  # the same order on every replica
-        if self.P > 1 and (self.first or self.last):
-            self.all_reduce((self.model.wte if self.first else self.model.lm_head).weight.grad, self.embed_group)
-        for p in params if self.D > 1 else ():  # the sum over the replicas, then / D: a mean
+        """The core's tied-wte sum, then the sum over the replicas, / D: a mean."""
+        super().sync_grads()
+        for p in self.model.parameters() if self.D > 1 else ():  # the same order on every replica
             self.all_reduce(p.grad, self.dp_group)
             p.grad /= self.D
 
-    def clip_grad_norm(self, max_norm):
-        """gpt2.clip_grad_norm_ over the whole pipeline (squares summed; the tied wte counted once, on the first stage)."""
-        head = self.model.lm_head.weight if self.P > 1 and self.last else None  # wte's copy: counted on rank 0
-        sq = sum((p.grad.float().pow(2).sum() for p in self.model.parameters() if p is not head),
-                 torch.zeros((), device=self.ctx.device))
-        if self.P > 1:
-            self.all_reduce(sq, self.pp_group)  # the sum of squares over the stages
-        coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)  # a tensor: no host sync
-        for p in self.model.parameters():
-            p.grad.mul_(coef)
-
     def global_loss(self, loss_sum):  # the last stages hold the losses; the mean over replicas is the step's
-        if self.ctx.world > 1:
-            self.all_reduce(loss_sum)
-        return loss_sum / self.D
-
-    def forward_plan(self):  # evaluation: forwards only, in stage order
-        orders = [[Op("F", r, i) for i in range(self.M)] for r in range(self.P)]
-        return orders, plan_messages(orders, lambda stage, mb: stage)
-
-
-def train(args, P, Pipe=Pipeline):
-    """gpt2.train's loop: lr, micro-steps (naive_step or the schedule), gradients synced, clip, step, log, eval."""
-    ctx = gpt2.setup(args)
-    pipe = Pipe(args, ctx, P)
-    train_loader, val_loader = gpt2.make_loaders(args, pipe.replica, args.dp, pipe.cfg.vocab_size)
-    opt = gpt2.make_adamw(gpt2.optimizer_groups(pipe.model, args.weight_decay), args, ctx.device)
-    tokens = args.batch_size * args.seq_len * args.grad_accum * args.dp
-    metrics, profiler = gpt2.Metrics(args, ctx, pipe.cfg, pipe.n_params, tokens), gpt2.Profiler(args, ctx)
-    loop = functools.partial(naive_step, pipe) if args.naive else pipe.run
-    eval_orders, eval_plan = pipe.forward_plan()
-    print0(f"{'naive' if args.naive else type(pipe).__name__}: P={P} x D={args.dp} replicas, {pipe.S} stages, "
-           f"M={pipe.M} micro-batches of {args.batch_size // pipe.M} | device {ctx.device} {ctx.dtype}")
-    scale = 1.0 / (args.micro_batches * args.grad_accum)  # the step's loss: the mean over every micro-batch
-    for step in range(args.steps):
-        profiler.step(step)
-        metrics.start_step()
-        lr = gpt2.set_lr(opt, step, args)
-        loss_sum = sum(loop(*train_loader.next_batch(), scale) for _ in range(args.grad_accum))  # micro-steps
-        pipe.sync_grads()
-        loss = pipe.global_loss(loss_sum)
-        if args.grad_clip > 0:
-            pipe.clip_grad_norm(args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_val = loss.item()  # the step's one host sync, after the optimizer step is queued
-        gpt2.check_finite(loss_val, step)
-        metrics.log_step(step, loss_val, lr, comm_mb=pipe.comm.take_mb())
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            pipe.model.eval()  # gpt2.evaluate averages over all P x D ranks: scale the last stages' losses by P
-            val_loss = functools.partial(pipe.run, scale=P / pipe.M, orders=eval_orders, plan=eval_plan)
-            metrics.log_val(step, gpt2.evaluate(val_loss, val_loader, args.eval_steps, ctx.device))
-            pipe.model.train()
-    metrics.plot()
-    return pipe
-
-
-def make_parser():
-    p = gpt2.make_parser("Train GPT-2 with pipeline parallelism (1F1B; --naive: all forwards, then all backwards).")
-    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches M that --batch-size is split into")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel pipeline replicas D (world = P * D)")
-    p.add_argument("--naive", action="store_true", help="all forwards, then all backwards, blocking send/recv")
-    return p
-
-
-def main(argv=None):
-    args = make_parser().parse_args(argv)
-    train(args, int(os.environ.get("WORLD_SIZE", 1)) // args.dp)
-
-
-# ---- Beyond the core ----
-# Each schedule below is a subclass of Pipeline, chosen by --schedule (cli in the appendix):
-#   GPipe: all forwards, then all backwards, with planned messages (Huang et al. 2019)
-#   SplitBackward: a backward split into I (input gradient) now and W (weight gradient) later (Qi et al. 2023, 2)
-#   ZBH1: 1F1B with W's deferred into the cooldown (Qi et al. 2023, 3.1)
-#   MultiStage: several stages per rank; Interleaved: --virtual-stages V chunks per rank (Narayanan et al.
-#   2021, 2.2, Megatron-LM's order); DualPipe: two directions, two copies of every stage (DeepSeek-V3 3.2.1);
-#   DualPipeV: DualPipe folded into a V, one copy (deepseek-ai/DualPipe, torch's ScheduleDualPipeV)
-#   simulate_paired: DualPipe as DeepSeek runs it, each F&B pair one unit (DeepSeek-V3 table 2)
-# Notation: F forward, B full backward = I (input gradient) + W (weight gradient); the zero-bubble paper's B is I.
-import torch.nn.functional as F  # noqa: E402
+        return super().global_loss(loss_sum) / self.D
 
 
 def gpipe(P, M, rank):
@@ -364,7 +538,7 @@ def gpipe(P, M, rank):
     return [Op("F", rank, i) for i in range(M)] + [Op("B", rank, i) for i in range(M)]
 
 
-class GPipe(Pipeline):
+class GPipe(PlannedPipeline):
     def op_list(self, rank):
         return gpipe(self.P, self.M, rank)
 
@@ -378,7 +552,7 @@ def _accumulate(p, g, rows=None):
         p.grad += g.to(p.dtype)
 
 
-class SplitBackward(Pipeline):
+class SplitBackward(PlannedPipeline):
     """The I/W tape: a forward whose backward will be split records, by a forward hook on every Linear,
     LayerNorm and Embedding, its input and where its output's gradient arrives; I computes the gradients of
     the stage input and of those outputs (autograd skips the weight-gradient matmuls), W the weight gradients
@@ -393,7 +567,7 @@ class SplitBackward(Pipeline):
                 if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding)):
                     m.register_forward_hook(self.record)
 
-    @torch._disable_dynamo  # under --compile the recording stays eager (a graph break)
+    @torch.compiler.disable  # under --compile the recording stays eager (a graph break)
     def record(self, module, inputs, output):
         if self.tape is not None:
             self.tape.append((module, inputs[0], torch.autograd.graph.get_gradient_edge(output)))
@@ -404,32 +578,34 @@ class SplitBackward(Pipeline):
         assert not (self.tapes or self.deferred), "schedule left work behind"
         return loss
 
-    def forward(self, op, h):
-        if (op.stage, op.mb) not in self.split:
-            return super().forward(op, h)
+    def forward(self, s, mb, h):
+        if (s, mb) not in self.split:
+            return super().forward(s, mb, h)
         self.tape = []
-        message = super().forward(op, h)
-        self.tapes[(op.stage, op.mb)], self.tape = self.tape, None
-        return message
+        out = super().forward(s, mb, h)
+        self.tapes[(s, mb)], self.tape = self.tape, None
+        return out
 
-    def backward(self, op, grad):
-        message = {"B": super().backward, "I": self.input_grad, "W": self.weight_grad}[op.kind](op, grad)
+    def op_function(self, kind):
+        return {"F": self.forward, "B": self.backward, "I": self.input_grad, "W": self.weight_grad}[kind]
+
+    def run_op(self, op, h):  # held: micro-batches awaiting their backward or their W
+        out = super().run_op(op, h)
         self.peak_held = max(self.peak_held, len(self.saved.keys() | self.deferred.keys()))
-        return message
+        return out
 
-    def input_grad(self, op, grad):
+    def input_grad(self, s, mb, grad):
         """I: the gradient w.r.t. the stage input (the previous stage waits for it) and w.r.t. every recorded
         output; the (input, output gradient) pairs wait for W."""
-        s, mb = op.stage, op.mb
         (h_in, out), tape = self.saved.pop((s, mb)), self.tapes.pop((s, mb))
         inputs = ([h_in] if h_in is not None else []) + [edge for _, _, edge in tape]
         grads = torch.autograd.grad(out, inputs, None if grad is None else grad.to(self.resid_dtype))
         self.deferred[(s, mb)] = [(m, x, dy) for (m, x, _), dy in zip(tape, grads[len(grads) - len(tape):])]
-        return (("grad", s - 1, mb), grads[0]) if s > 0 else None
+        return grads[0] if s > 0 else None
 
-    def weight_grad(self, op, _):
+    def weight_grad(self, s, mb, _):
         """W: the weight gradients of one I, from the recorded inputs x and output gradients dy."""
-        for m, x, dy in self.deferred.pop((op.stage, op.mb)):
+        for m, x, dy in self.deferred.pop((s, mb)):
             dy2 = dy.reshape(-1, dy.size(-1))  # (N, out features)
             if isinstance(m, nn.Embedding):  # x are token ids (wte) or positions (wpe): rows gathered
                 _accumulate(m.weight, None, rows=(x.reshape(-1), dy2))
@@ -470,18 +646,19 @@ class ZBH1(SplitBackward):
         return zbh1(self.P, self.M, rank)
 
 
-class MultiStage(Pipeline):
+class MultiStage(Replicas, PlannedPipeline):
     """Several stages per rank: the layout is num_stages(), stages_of(rank), owner(stage, mb) (the rank that
     runs a stage for a micro-batch) and copies(p) (the pipeline ranks holding the same parameters). The
-    core's __init__, send, groups, gradient sums, clip and evaluation plan, rewritten for it: a message
-    between two stages of one rank stays on the rank, the tied wte is summed only where its two uses sit on
-    two ranks, and copies of a stage sum their gradients."""
+    core's __init__, send, groups, gradient sums, clip and evaluation plan, rewritten for it (with --dp's
+    replicas): a message between two stages of one rank stays on the rank, the tied wte is summed only
+    where its two uses sit on two ranks, and copies of a stage sum their gradients."""
 
     def __init__(self, args, ctx, P):  # the core's __init__ with this layout (it does not call the core's)
         self.args, self.ctx, self.P, self.M, self.D = args, ctx, P, args.micro_batches, args.dp
-        self.pp_rank, self.replica, self.base = ctx.rank % P, ctx.rank // P, ctx.rank // P * P
+        self.stage = self.pp_rank = ctx.rank % P  # the rank's place in its pipeline
+        self.replica = ctx.rank // P
         self.S, self.my_stages = self.num_stages(), self.stages_of(ctx.rank % P)
-        self.comm, self.timing, self.spans, self.peak_held = gpt2.CommMeter(), False, [], 0
+        self.comm, self.spans, self.peak_held = gpt2.CommMeter(), [], 0
         model = gpt2.build_model(args)
         self.cfg, self.n_params, per = model.config, model.num_params(), model.config.n_layer // self.S
         self.layers = {s: (s * per, (s + 1) * per) for s in range(self.S)}
@@ -492,6 +669,7 @@ class MultiStage(Pipeline):
             self.model.h[i].compile()
         self.orders = [self.op_list(r) for r in range(P)]
         self.plan = plan_messages(self.orders, self.owner)
+        self.eval_orders, self.eval_plan = self.forward_plan()
         self.wire_dtype, self.resid_dtype = ctx.dtype, torch.float32
         self.make_groups()
         if ctx.world > 1:
@@ -512,7 +690,7 @@ class MultiStage(Pipeline):
     def make_groups(self):  # every rank creates every group, in the same order; None: the default group
         P, D, r = self.P, self.D, self.ctx.rank
         new = lambda ranks: dist.new_group(ranks) if 1 < len(ranks) < self.ctx.world else None  # noqa: E731
-        self.pp_group = [new(list(range(d * P, (d + 1) * P))) for d in range(D)][self.replica]
+        self.pipe_group = [new(list(range(d * P, (d + 1) * P))) for d in range(D)][self.replica]
         for p in (p for p in range(P) if min(self.copies(p)) == p):  # same parameters: D replicas (x copies)
             ranks = sorted(d * P + q for d in range(D) for q in self.copies(p))
             g = new(ranks)
@@ -546,13 +724,14 @@ class MultiStage(Pipeline):
         head = self.model.lm_head.weight if self.tied_split and self.last else None  # wte's copy: counted on rank 0
         params = [] if min(self.copies(self.pp_rank)) != self.pp_rank else [
             p for p in self.model.parameters() if p is not head]
-        sq = sum((p.grad.float().pow(2).sum() for p in params),
-                 torch.zeros((), device=self.ctx.device))
+        sq = sum((p.grad.float().pow(2).sum() for p in params), torch.zeros((), device=self.ctx.device))
         if self.P > 1:
-            self.all_reduce(sq, self.pp_group)
-        coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
-        for p in self.model.parameters():
+            self.all_reduce(sq, self.pipe_group)
+        norm = sq.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in self.model.parameters() if max_norm > 0 else ():
             p.grad.mul_(coef)
+        return norm
 
     def forward_plan(self):  # lower stages first: a topological order in every layout
         orders = [[Op("F", s, i) for s in sorted(self.stages_of(r)) for i in range(self.M) if self.owner(s, i) == r]
@@ -762,26 +941,35 @@ def simulate_paired(orders, cost):
 
 
 # ---- Appendix ----
-# The measured bubble (naive vs 1F1B, or the schedule's), the pictures, the schedules' layouts as plain
-# functions for tests/ and benches, argument checks, the CLI.
+# The schedules' closed forms, simulations and pictures, their layouts as plain functions for tests/ and
+# benches, argument checks, the CLI.
 import json  # noqa: E402
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "zbh1", "interleaved", "dualpipe", "dualpipev")
 
 
-def pipeline_class(schedule):
-    """The Pipeline subclass that runs --schedule (1f1b: the core's Pipeline)."""
+class GPipeReplicas(Replicas, GPipe):
+    pass
+
+
+class ZBH1Replicas(Replicas, ZBH1):
+    pass
+
+
+def pipeline_class(schedule, dp=1):
+    """The class that runs --schedule (1f1b: the core's Pipeline); with --dp > 1 the single-stage ones get
+    Replicas in front (the multi-stage ones handle --dp themselves)."""
     if schedule == "gpipe":
-        return GPipe
+        return GPipeReplicas if dp > 1 else GPipe
     if schedule == "zbh1":
-        return ZBH1
+        return ZBH1Replicas if dp > 1 else ZBH1
     if schedule == "interleaved":
         return Interleaved
     if schedule == "dualpipe":
         return DualPipe
     if schedule == "dualpipev":
         return DualPipeV
-    return Pipeline
+    return Replicas if dp > 1 else Pipeline
 
 
 def bubble_fraction(ranks):
@@ -790,36 +978,29 @@ def bubble_fraction(ranks):
     return sum((t1 - t0) - sum(b - a for _, a, b in r) for r in ranks) / len(ranks) / (t1 - t0)
 
 
-def measure_bubbles(pipe, x, y, loops):
-    """The batch once more through each (name, loop), every op timed (CUDA events), its gradients dropped:
-    prints the measured bubble and the micro-batches held per rank of each, in one line; returns
-    {name: every rank's {"spans": [(op, start ms, end ms)], "peak_held"}}."""
-    measured = {}
-    for name, loop in loops:
-        pipe.timing, pipe.peak_held = True, 0
-        if pipe.ctx.world > 1:
-            dist.barrier()  # the ranks start together, so their clocks line up
-        t0 = pipe.clock()
-        loop(x, y, 1.0)
-        pipe.model.zero_grad(set_to_none=True)
-        if pipe.ctx.device.type == "cuda":
-            torch.cuda.synchronize()
-        ms = (lambda t: t - t0) if pipe.ctx.device.type != "cuda" else t0.elapsed_time  # noqa: E731
-        mine = {"spans": [(tuple(op), ms(a), ms(b)) for op, a, b in pipe.spans], "peak_held": pipe.peak_held}
-        measured[name] = [mine] * pipe.ctx.world
-        if pipe.ctx.world > 1:
-            dist.all_gather_object(measured[name], mine)
-    pipe.timing = False
-    found = {n: (bubble_fraction([[(Op(*o), a, b) for o, a, b in g["spans"]] for g in r[:pipe.P]]),
-                 [g["peak_held"] for g in r[:pipe.P]]) for n, r in measured.items()}
-    print0("bubble measured on one batch: " + ", ".join(f"{n} {b:.3f}" for n, (b, _) in found.items()) +
-           " of the step | micro-batches held per rank: " + ", ".join(f"{n} {h}" for n, (_, h) in found.items()))
-    return measured
+def timed_spans(pipe, x, y):
+    """The batch once more through pipe.step, every op timed (as the core's measure_bubble), its gradients
+    dropped -> every rank's {"spans": [(op, start ms, end ms)], "peak_held"}, the times from a common start."""
+    pipe.peak_held = 0
+    if pipe.ctx.world > 1:
+        dist.barrier()  # the ranks start together, so their clocks line up
+    t0 = pipe.clock()
+    pipe.step(x, y, 1.0)
+    pipe.model.zero_grad(set_to_none=True)
+    if pipe.ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+    ms = (lambda t: t - t0) if pipe.ctx.device.type != "cuda" else t0.elapsed_time  # noqa: E731
+    mine = {"spans": [(tuple(op), ms(a), ms(b)) for op, a, b in pipe.spans], "peak_held": pipe.peak_held}
+    every = [mine] * pipe.ctx.world
+    if pipe.ctx.world > 1:
+        dist.all_gather_object(every, mine)
+    return every
 
 
 def layout(schedule, P, M=1, V=2):
-    """A Pipeline subclass's layout without a model (for tests/, benches and checks)."""
-    pipe = object.__new__(pipeline_class(schedule))
+    """A PlannedPipeline subclass's layout without a model (for tests/, benches and checks); 1f1b's op
+    list is the core loop's order, naive's GPipe's."""
+    pipe = object.__new__({"1f1b": PlannedPipeline, "naive": GPipe}.get(schedule) or pipeline_class(schedule))
     pipe.P, pipe.M, pipe.V = P, M, V
     return pipe
 
@@ -849,18 +1030,71 @@ def forward_only(schedule, P, M, rank, V=2):
             if stage_owner(schedule, P, M, s, i) == rank]
 
 
-def plan_table(P=2, M=4):
-    """The docstring's 1F1B plan: per op index, each rank's batch (sends, receives), then its op."""
-    orders = [one_f_one_b(P, M, r) for r in range(P)]
-    plans = plan_messages(orders, lambda stage, mb: stage)
+class RecordedStage:
+    """A stand-in for the core's Pipeline on one stage, without processes or tensors: the core's loops run
+    on it record every exchange and op, a message a placeholder resolved by core_traffic (tests/ checks
+    the traffic against a model of NCCL's rules; the docstring's picture is drawn from it)."""
+
+    def __init__(self, P, M, stage):
+        self.P, self.M, self.stage, self.loss_sum = P, M, stage, None
+        self.up, self.down = (stage - 1 if stage > 0 else None), (stage + 1 if stage < P - 1 else None)
+        self.events, self.held, self.peak_held = [], set(), 0
+
+    def start(self, x, y, scale):
+        pass
+
+    def compute(self, kind, mb, h):
+        self.events.append(("op", kind, mb, h))
+        self.held = self.held | {mb} if kind == "F" else self.held - {mb}
+        self.peak_held = max(self.peak_held, len(self.held))
+        peer = self.down if kind == "F" else self.up
+        return None if peer is None else ("a" if kind == "F" else "g", mb)
+
+    def exchange(self, send_to=None, tensor=None, recv_from=None):
+        batch = [("send", send_to, tensor)] if send_to is not None else []
+        batch += [("recv", recv_from, ("recv", self.stage, len(self.events)))] if recv_from is not None else []
+        if batch:
+            self.events.append(("batch", batch))
+        return batch[-1][2] if recv_from is not None else None
+
+
+def core_traffic(loop, P, M):
+    """The core loop `loop` (naive_step, one_f_one_b, forwards) on P recorded stages -> per stage its
+    events, each received placeholder replaced by the message NCCL would deliver (the n-th send a->b
+    meets the n-th receive b<-a): ("op", kind, mb, input) and ("batch", [(send | recv, peer, key)]),
+    and the micro-batches each stage held at most."""
+    stages = [RecordedStage(P, M, s) for s in range(P)]
+    for st in stages:
+        loop(st, None, None, 1.0)
+    sent = collections.defaultdict(list)
+    for s, st in enumerate(stages):
+        for ev in st.events:
+            for kind, peer, key in ev[1] if ev[0] == "batch" else ():
+                if kind == "send":
+                    sent[(s, peer)].append(key)
+    got, taken = {}, collections.Counter()
+    for s, st in enumerate(stages):
+        for ev in st.events:
+            for kind, peer, key in ev[1] if ev[0] == "batch" else ():
+                if kind == "recv":
+                    n, taken[(peer, s)] = taken[(peer, s)], taken[(peer, s)] + 1
+                    got[key] = sent[(peer, s)][n] if n < len(sent[(peer, s)]) else None
+    fix = lambda k: got.get(k, k) if isinstance(k, tuple) and k[:1] == ("recv",) else k  # noqa: E731
+    events = [[("op", ev[1], ev[2], fix(ev[3])) if ev[0] == "op" else
+               ("batch", [(kind, peer, fix(key)) for kind, peer, key in ev[1]]) for ev in st.events]
+              for st in stages]
+    return events, [st.peak_held for st in stages]
+
+
+def loop_picture(P=2, M=4, loop=one_f_one_b):
+    """The docstring's picture of the core loop: per rank its ops and [batches] in order."""
+    events, _ = core_traffic(loop, P, M)
     rows = []
-    for i in range(len(orders[0]) + 1):
-        cells = []
-        for r in range(P):
-            msgs = ", ".join(f"{kind} {key[0][0]}{key[2]}" for kind, _, key in plans[r][i])
-            op = f"{orders[r][i].kind}{orders[r][i].mb}" if i < len(orders[r]) else ""
-            cells.append(" | ".join(c for c in (msgs, op) if c))
-        rows.append(f"{i if i < len(orders[0]) else 'end':>5}  " + "".join(f"{c:29s}" for c in cells).rstrip())
+    for s, evs in enumerate(events):
+        words = [f"{ev[1]}{ev[2]}" if ev[0] == "op" else
+                 "[" + " ".join((">" if kind == "send" else "<") + f"{key[0]}{key[1]}" for kind, _, key in ev[1]) + "]"
+                 for ev in evs]
+        rows.append(f"  rank {s}  " + " ".join(words))
     return rows
 
 
@@ -878,7 +1112,7 @@ def bubble_stats(name, P, M, ranks, V=2):
     for op, a, b in (s for r in ranks for s in r):
         per_stage[(op.kind, op.stage)].append(b - a)
     per_stage = {k: sum(v) / len(v) for k, v in per_stage.items()}
-    orders = op_lists(name, P, M, V)
+    orders = op_lists(name, P, M, V)  # naive: GPipe's order
     costs = f"F={cost['F']:.2f} B={cost['B']:.2f} W={cost['W']:.2f} ms"
     if name in ("gpipe", "1f1b", "naive"):
         closed = f"(P-1)/(M+P-1) = {(P - 1) / (M + P - 1):.3f}"
@@ -899,23 +1133,21 @@ def bubble_stats(name, P, M, ranks, V=2):
 
 
 def report(pipe, args):
-    """Times one batch under naive_step and 1F1B (or the schedule alone), prints both bubbles in one line,
-    then, on rank 0, the schedule's bubble stats, OUT/schedule.json and OUT/schedule.png."""
+    """One more batch timed (timed_spans), then on rank 0 the schedule's closed form and a simulation of its
+    op lists with the measured op times (one line), OUT/schedule.json and OUT/schedule.png."""
     g = torch.Generator().manual_seed(args.seed)  # any tokens time the same
     x, y = (torch.randint(pipe.cfg.vocab_size, (args.batch_size, args.seq_len), generator=g) for _ in range(2))
-    naive = [("naive", functools.partial(naive_step, pipe))] if type(pipe) is Pipeline else []
-    measured = measure_bubbles(pipe, x, y, naive + [(args.schedule, pipe.run)])
+    gathered = timed_spans(pipe, x, y)
     if not pipe.ctx.master:
         return None
-    P, M, name, gathered = pipe.P, pipe.M, args.schedule, measured[args.schedule]
+    P, M, name = pipe.P, pipe.M, "naive" if args.naive else args.schedule
     ranks = [[(Op(*op), a, b) for op, a, b in g["spans"]] for g in gathered[:P]]  # replica 0
     st = bubble_stats(name, P, M, ranks, getattr(pipe, "V", 2))
     st.update(schedule=name, P=P, M=M, peak_held=[g["peak_held"] for g in gathered[:P]],
-              spans=[g["spans"] for g in gathered], naive=measured.get("naive"))
-    paired = (f" | simulated as DeepSeek runs it (F&B pairs as one unit) {st['simulated_paired']:.3f}"
+              spans=[g["spans"] for g in gathered])
+    paired = (f" | as DeepSeek runs it (F&B pairs as one unit) {st['simulated_paired']:.3f}"
               if "simulated_paired" in st else "")
-    print0(f"{name} P={P} M={M}: measured bubble {st['bubble']:.3f} of a {st['step_ms']:.1f} ms step | closed form "
-           f"{st['closed']} | simulated with the measured op times, as this executor runs it {st['simulated']:.3f}"
+    print0(f"{name}: closed form {st['closed']} | simulated with the measured op times {st['simulated']:.3f}"
            + paired)
     with open(os.path.join(args.out, "schedule.json"), "w") as f:
         json.dump(st, f)
@@ -967,8 +1199,9 @@ def draw_schedule(ranks, path, title, pale):
     plt.close(fig)
 
 
-def check_args(args, world):
-    """Returns P, the pipeline depth; a bad flag is one line naming it (gpt2.fail), before any collective."""
+def check_cli_args(args, world):
+    """Returns P, the pipeline depth; a bad flag is one line naming it (gpt2.fail), before any collective.
+    The core's check_args (the batch and the blocks) runs in train too."""
     gpt2.check_args(args)
     for flag in ("--micro-batches", "--dp"):
         gpt2.check_range(getattr(args, flag[2:].replace("-", "_")), flag, 1, todo="give a positive integer")
@@ -981,14 +1214,12 @@ def check_args(args, world):
     if args.naive and args.schedule != "1f1b":
         gpt2.fail(f"--naive is its own schedule, not --schedule {args.schedule}", "--naive", "drop one of the two")
     S = num_stages(args.schedule, P, V)
-    if args.batch_size % M:
-        gpt2.fail(f"--batch-size {args.batch_size} is not divisible by --micro-batches {M}", "--micro-batches",
-                  "give a divisor of --batch-size")
+    check_args(args, P)
     if L % S and args.schedule == "interleaved" and L % P == 0:  # the layers split over P ranks, not into V chunks
         fits = [v for v in range(1, L // P + 1) if L // P % v == 0]
         gpt2.fail(f"{L} layers do not split into V x P = {V} x {P} = {S} stages (interleaved)", "--virtual-stages",
                   f"give a V that divides {L // P} layers per rank: one of {fits}")
-    if L % S:
+    if L % S:  # beyond the core's L % P
         gpt2.fail(f"{L} layers do not split into {S} stages ({args.schedule}, P={P} ranks per pipeline)",
                   "--n-layer", f"give a multiple of {S} layers, or another number of ranks")
     if args.schedule == "dualpipe" and P % 2:
@@ -1012,16 +1243,17 @@ def make_cli_parser():
     p.description = ("Train GPT-2 with pipeline parallelism (1F1B; --naive; beyond the core: GPipe, ZB-H1, "
                      "interleaved 1F1B, DualPipe, DualPipeV).")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES, help="pipeline schedule")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel pipeline replicas D (world = P * D)")
     p.add_argument("--virtual-stages", type=int, default=2, help="interleaved: model chunks V per rank")
     return p
 
 
 def cli(argv=None):
-    """The full CLI: the core's flags and --schedule, checked in one line each, the schedule's class into the
-    core's loop, then the measured bubbles and the schedule's picture."""
+    """The full CLI: the core's flags, --schedule and --dp, checked in one line each, the schedule's class
+    into the core's loop, then the schedule's closed form and picture."""
     args = make_cli_parser().parse_args(argv)
-    P = check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
-    pipe = train(args, P, pipeline_class(args.schedule))
+    P = check_cli_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    pipe = train(args, P, pipeline_class(args.schedule, args.dp))
     report(pipe, args)
     print0(f"wrote {args.out}/metrics.jsonl, loss.png, schedule.json and schedule.png")
     return pipe

@@ -85,7 +85,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024):
     comm.take_mb()
     # one optimizer step's collectives, the calls main() makes
     zero.reduce_scatter_grads()
-    zero.clip_global_grad_norm(args.grad_clip)
+    zero.clip_grads(zero.grad_norm(), args.grad_clip)
     zero.all_gather_params()
     comm.all_reduce(8, world)  # train(): the loss, and SafeCheckpointer's failed-save flag (4 B each)
     comm_mb = comm.take_mb()

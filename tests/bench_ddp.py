@@ -1,13 +1,17 @@
 """Benchmark ddp.DataParallel against torch.nn.parallel.DistributedDataParallel, same model, same batches.
 
-    torchrun --nproc_per_node=2 tests/bench_ddp.py                     # CPU, gloo (tiny GPT-2, 4 layers)
-    torchrun --nproc_per_node=8 tests/bench_ddp.py --model gpt2 --batch-size 16 --seq-len 1024
+    torchrun --nproc_per_node=2 tests/bench_ddp.py --data data/shakespeare_char   # CPU, gloo, the course model
+    torchrun --nproc_per_node=2 tests/bench_ddp.py --data data/shakespeare_char --zero    # + ZeRO-1, ZeRO-2
+    torchrun --nproc_per_node=8 tests/bench_ddp.py --model gpt2 --batch-size 16 --seq-len 1024 --bucket-mb 25
     python tests/bench_ddp.py --per-rank-124m     # GPT-2 124M at 8 ranks: bytes and memory per rank (no GPU)
 
 A step is forward, backward, gradient sync, clip, AdamW. The variants run in interleaved rounds (so
 background load hits them alike); the table gives each one's median step time and its ratio to torch's
-DDP, plus the bytes each rank sent per step and the largest weight difference to torch's DDP at the end.
+DDP, the wait after backward (exposed communication), the bytes each rank sent per step and the largest
+weight difference to torch's DDP at the end. Overlap is told apart from bucketing by the same buckets
+launched after backward (no_sync holds them) and by --naive (every gradient on its own, after backward).
 """
+import contextlib
 import gc
 import os
 import statistics
@@ -62,7 +66,8 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
         dp = (ddp.DataParallel, ddp.ZeRO1DataParallel, ddp.ZeRO2DataParallel)[zero](model, 25.0, meter)
         P = sum(p.numel() for p in dp.params)
         groups = gpt2.optimizer_groups(model, args.weight_decay)
-        opt = dp.make_optimizer(groups, lambda g: gpt2.make_adamw(g, args, torch.device("cpu")))
+        adamw = lambda g: gpt2.make_adamw(g, args, torch.device("cpu"))  # noqa: E731
+        opt = dp.make_optimizer(groups, adamw) if zero else adamw(groups)
         meter.take_mb()  # the start-up broadcast is not a step
         idx = torch.randint(0, cfg.vocab_size, (1, 32))
         dp(idx, idx)[1].backward()
@@ -97,59 +102,71 @@ def print_per_rank_124m():
     print(f"(MB per rank per optimizer step; {rows[0]['how']})")
 
 
+VARIANTS = ("torch DDP", "ours", "ours: buckets, no overlap", "ours --naive")
+ZERO_VARIANTS = ("ours + ZeRO-1", "ours + ZeRO-2", "ours + ZeRO-2, 1 bucket in flight")
+
+
+def build(name, args, ctx):
+    """The variant's model (rank 0's weights everywhere), the module to call, its optimizer, our wrapper."""
+    model = gpt2.build_model(args).to(ctx.device)
+    meter = gpt2.CommMeter()
+    adamw = lambda g: gpt2.make_adamw(g, args, ctx.device)  # noqa: E731
+    groups = gpt2.optimizer_groups(model, args.weight_decay)
+    if name == "torch DDP":
+        return dict(model=model, fwd=nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb),
+                    opt=adamw(groups), dp=None, meter=meter)
+    if name == "ours --naive":
+        dp = ddp.NaiveDataParallel(model, meter)
+    else:
+        wrapper = ddp.ZeRO2DataParallel if "ZeRO-2" in name else ddp.ZeRO1DataParallel if "ZeRO-1" in name \
+            else ddp.DataParallel
+        dp = wrapper(model, args.bucket_mb, meter=meter)
+        if "1 bucket in flight" in name:
+            dp.in_flight = 1  # backward waits for the previous bucket's reduce-scatter
+    opt = dp.make_optimizer(groups, adamw) if hasattr(dp, "make_optimizer") else adamw(groups)
+    return dict(model=model, fwd=dp, opt=opt, dp=dp, meter=meter, hold="no overlap" in name)
+
+
 def main():
     if "--per-rank-124m" in sys.argv:
         return print_per_rank_124m()
     p = gpt2.make_parser("ours vs torch DDP step time")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size of both DDPs")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
-    p.set_defaults(steps=3, batch_size=4, seq_len=64)  # --steps: timed steps per variant per round
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size of both DDPs (the course model: "
+                                                                "~3.4 MB of gradients, so 1 MB gives 4 buckets)")
+    p.add_argument("--rounds", type=int, default=8, help="interleaved rounds")
+    p.add_argument("--zero", action="store_true", help="also ZeRO-1 and ZeRO-2 (2 and 1 buckets in flight)")
+    p.set_defaults(steps=4, batch_size=4, seq_len=64)  # --steps: timed steps per variant per round
     args = p.parse_args()
     if int(os.environ.get("WORLD_SIZE", 1)) < 2:
         sys.exit("launch with torchrun --nproc_per_node=2 (or more): see the docstring")
     ctx = gpt2.setup(args)
+    variants = {name: build(name, args, ctx) for name in VARIANTS + (ZERO_VARIANTS if args.zero else ())}
+    vocab = variants["ours"]["model"].config.vocab_size
     g = torch.Generator().manual_seed(1234 + ctx.rank)
-    batches = [torch.randint(0, 50257, (args.batch_size, args.seq_len + 1), generator=g) for _ in range(args.steps)]
-
-    variants = {}
-    names = ("torch DDP", "ours", "ours, one bucket after backward", "ours + ZeRO-1", "ours + ZeRO-2",
-             "ours + ZeRO-2, 1 bucket in flight", "ours + ZeRO-2, one bucket after backward")
-    for name in names:
-        model = gpt2.build_model(args).to(ctx.device)
-        meter = gpt2.CommMeter()
-        if name == "torch DDP":
-            fwd = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
-            opt = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
-            dp = None
-        else:
-            mb = None if "one bucket after" in name else args.bucket_mb
-            wrapper = ddp.ZeRO2DataParallel if "ZeRO-2" in name else ddp.ZeRO1DataParallel if "ZeRO-1" in name \
-                else ddp.DataParallel
-            dp = wrapper(model, mb, meter=meter)
-            if "1 bucket in flight" in name:
-                dp.in_flight = 1  # backward waits for the previous bucket's reduce-scatter
-            opt = dp.make_optimizer(gpt2.optimizer_groups(model, args.weight_decay),
-                                    lambda g: gpt2.make_adamw(g, args, ctx.device))
-            fwd = dp
-        variants[name] = dict(model=model, fwd=fwd, opt=opt, dp=dp, meter=meter, times=[])
+    batches = [torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=g) for _ in range(args.steps)]
     for v in variants.values():
         v["meter"].take_mb()  # the start-up broadcast is not a step
+        v["times"], v["exposed"] = [], []
 
     def step(v, batch):
         x, y = batch[:, :-1].to(ctx.device), batch[:, 1:].to(ctx.device)
         with ctx.autocast():
             loss = v["fwd"](x, y)[1]
-        loss.backward()
-        if v["dp"] is None:
+        with v["dp"].no_sync() if v.get("hold") else contextlib.nullcontext():  # no_sync: launch after backward
+            loss.backward()
+        if v["dp"] is None:  # torch's DDP waits inside backward (its last hook)
             torch.nn.utils.clip_grad_norm_(v["model"].parameters(), args.grad_clip)
         else:
+            t0 = ddp.clock(ctx.device)
             v["dp"].finish_grad_sync()
+            v["exposed"].append((t0, ddp.clock(ctx.device)))
             v["dp"].clip_grad_norm_(args.grad_clip)
         v["opt"].step()
         v["opt"].zero_grad(set_to_none=True)
 
     for v in variants.values():  # warm up (allocations, thread pools)
         step(v, batches[0])
+        v["exposed"].clear()
         if isinstance(v["dp"], ddp.ZeRO2DataParallel):
             v["dp"].blocked.clear()
     for _ in range(args.rounds):
@@ -163,30 +180,42 @@ def main():
                 if ctx.device.type == "cuda":
                     torch.cuda.synchronize()
                 v["times"].append(time.perf_counter() - t0)
-    n_steps = 1 + args.rounds * args.steps
+    n_steps, timed = 1 + args.rounds * args.steps, args.rounds * args.steps
     ref = variants["torch DDP"]
     t_ref = statistics.median(ref["times"])
+    cfg = ref["model"].config
     grad_mb = sum(q.numel() * q.element_size() for q in ref["model"].parameters()) / 1e6
-    gpt2.print0(f"\n{ctx.world} ranks, {ctx.device} {ctx.dtype}, {dist.get_backend()} | model {args.model} "
-                f"n_layer {ref['model'].config.n_layer} n_embd {ref['model'].config.n_embd} | batch {args.batch_size}x"
-                f"{args.seq_len} per rank | buckets {args.bucket_mb:g} MB | {args.rounds}x{args.steps} timed steps "
-                f"each")
-    gpt2.print0(f"{'variant':40s} {'step ms':>9s} {'/ torch':>8s} {'MB/step':>9s} {'max |w - torch w|':>18s} "
-                f"{'blocked ms':>11s}")
+    gpt2.print0(f"\n{ctx.world} ranks, {ctx.device} {ctx.dtype}, {dist.get_backend()} | model {args.model} n_layer "
+                f"{cfg.n_layer} n_embd {cfg.n_embd} vocab {cfg.vocab_size} ({grad_mb:.2f} MB of gradients) | batch "
+                f"{args.batch_size}x{args.seq_len} per rank | buckets {args.bucket_mb:g} MB | {args.rounds}x"
+                f"{args.steps} timed steps each, interleaved")
+    gpt2.print0(f"{'variant':36s} {'step ms':>9s} {'/ torch':>8s} {'exposed ms':>11s} {'MB/step':>9s} "
+                f"{'max |w - torch w|':>18s} {'blocked ms':>11s}")
+    med = {}
     for name, v in variants.items():
-        t = statistics.median(v["times"])
+        med[name] = t = statistics.median(v["times"])
         mb = v["meter"].take_mb() / n_steps if v["dp"] is not None else 2 * (ctx.world - 1) / ctx.world * grad_mb
         diff = max((a - b).abs().max().item() for a, b in zip(v["model"].parameters(), ref["model"].parameters()))
-        blocked = f"{v['dp'].blocked_s() / (args.rounds * args.steps) * 1e3:11.1f}" if hasattr(v["dp"], "blocked_s") \
-            else f"{'':11s}"
-        gpt2.print0(f"{name:40s} {t * 1e3:9.1f} {t / t_ref:8.3f} {mb:9.2f} {diff:18.2e} {blocked}")
-    med = {name: statistics.median(v["times"]) for name, v in variants.items()}
-    gpt2.print0(f"overlap (step with one bucket after backward / with buckets): plain "
-                f"{med['ours, one bucket after backward'] / med['ours']:.2f}x | ZeRO-2, 2 buckets in flight "
-                f"{med['ours + ZeRO-2, one bucket after backward'] / med['ours + ZeRO-2']:.2f}x, 1 in flight "
-                f"{med['ours + ZeRO-2, one bucket after backward'] / med['ours + ZeRO-2, 1 bucket in flight']:.2f}x")
-    gpt2.print0("(torch DDP's MB/step is the ring minimum 2(N-1)/N x gradient bytes, which it sends; blocked ms: "
-                "time per step backward waited on an earlier bucket's reduce-scatter, ZeRO-2 only)")
+        exposed = f"{statistics.median(ddp.elapsed_s(a, b) for a, b in v['exposed']) * 1e3:11.1f}" \
+            if v["exposed"] else f"{'':11s}"
+        blocked = f"{v['dp'].blocked_s() / timed * 1e3:11.1f}" if hasattr(v["dp"], "blocked_s") else f"{'':11s}"
+        gpt2.print0(f"{name:36s} {t * 1e3:9.1f} {t / t_ref:8.3f} {exposed} {mb:9.2f} {diff:18.2e} {blocked}")
+    per_round = lambda name: [statistics.median(variants[name]["times"][r * args.steps:(r + 1) * args.steps])
+                              for r in range(args.rounds)]  # noqa: E731
+    rounds = " ".join(f"{a / b:.2f}" for a, b in zip(per_round("ours"), per_round("torch DDP")))
+    gpt2.print0(f"ours / torch DDP: {med['ours'] / t_ref:.3f}x the step time (round by round: {rounds})")
+    exposed = {n: statistics.median(ddp.elapsed_s(a, b) for a, b in variants[n]["exposed"]) * 1e3
+               for n in ("ours", "ours: buckets, no overlap", "ours --naive")}
+    gpt2.print0(f"overlap gain: exposed after backward, naive {exposed['ours --naive']:.1f} ms | buckets, no "
+                f"overlap {exposed['ours: buckets, no overlap']:.1f} ms | overlapped {exposed['ours']:.1f} ms; "
+                f"step time without overlap / with {med['ours: buckets, no overlap'] / med['ours']:.2f}x, naive "
+                f"/ overlapped {med['ours --naive'] / med['ours']:.2f}x")
+    if args.zero:
+        gpt2.print0(f"ZeRO-2, 1 bucket in flight / 2: {med['ours + ZeRO-2, 1 bucket in flight'] / med['ours + ZeRO-2']:.2f}x")
+    gpt2.print0("(step ms: median; exposed ms: median wait in finish_grad_sync after backward (host clock on CPU, "
+                "CUDA events on GPU); torch DDP waits inside backward, so it has none; its MB/step is the ring "
+                "minimum 2(N-1)/N x gradient bytes, which it sends; blocked ms: per step backward waited on an "
+                "earlier bucket's reduce-scatter, ZeRO-2 only)")
     dist.destroy_process_group()
 
 

@@ -1,8 +1,8 @@
 """
 tests/bench_fsdp2.py - fsdp2.py against PyTorch's torch.distributed.fsdp.fully_shard in the same run:
 same model, same units (one per Block + the root), same batches, same AdamW; step time and peak
-memory per rank. With bf16 and --mp-policy bf16-gather (the core gathers fp32) both gather bf16 and reduce fp32
-(MixedPrecisionPolicy(bf16, fp32)). --replicate R: both as HSDP (fully_shard on an R x N/R DeviceMesh).
+memory per rank. With --mp-policy bf16-gather (the core gathers fp32) both gather and compute in bf16 and reduce
+in fp32 (MixedPrecisionPolicy(bf16, fp32)). --replicate R: both as HSDP (fully_shard on an R x N/R DeviceMesh).
 
     torchrun --nproc_per_node=2 tests/bench_fsdp2.py                                    # CPU, gloo, tiny
     torchrun --nproc_per_node=2 tests/bench_fsdp2.py --reshard-after-forward 0          # SHARD_GRAD_OP (ZeRO-2-like)
@@ -45,8 +45,7 @@ def shard(model, args, meter):
     """fsdp2.py's classes for the flags, as its train() builds them (the compiled Blocks included)."""
     for block in model.h if args.compile else []:
         block.forward = torch.compile(block.forward)
-    Model, Unit = fsdp2.classes(args)
-    return Model(model, list(model.h), meter=meter, Unit=Unit)
+    return fsdp2.classes(args)(model, list(model.h), meter=meter)
 
 
 def build_ours(args, ctx):
@@ -74,8 +73,8 @@ def build_fully_shard(args, ctx):
     r = args.replicate  # a 2-D mesh is fully_shard's HSDP: replicate on dim 0, shard on dim 1
     mesh = init_device_mesh(ctx.device.type, (r, ctx.world // r), mesh_dim_names=("replicate", "shard")) \
         if r > 1 else init_device_mesh(ctx.device.type, (ctx.world,))
-    bf16_gather = args.mp_policy == "bf16-gather" and ctx.dtype == torch.bfloat16
-    mp = MixedPrecisionPolicy(param_dtype=ctx.dtype, reduce_dtype=torch.float32) if bf16_gather else MixedPrecisionPolicy()
+    bf16_gather = args.mp_policy == "bf16-gather"  # fsdp2.classes: FullyShardedModel(param_dtype=torch.bfloat16)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_gather else MixedPrecisionPolicy()
     for i, block in enumerate(model.h):
         if args.compile:  # torchtitan's order: compile each block, then shard it
             block = torch.compile(block)

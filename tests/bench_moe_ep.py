@@ -40,6 +40,43 @@ def mirrored_all_to_all(output, input, output_split_sizes=None, input_split_size
     return Done() if async_op else None
 
 
+class A2ATimer:
+    """The all-to-alls' time, issue to completion (CUDA events on the stream, since an NCCL call returns
+    before the data moves; the host clock on CPU): wraps torch.distributed.all_to_all_single while entered.
+    moe_ep's core counts the bytes (moe_ep.moved), not the time: timing is the bench's business."""
+
+    def __init__(self, device):
+        self.cuda, self.spans = device.type == "cuda", []
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def __enter__(self):
+        self.real = dist.all_to_all_single
+
+        def timed(*args, **kw):
+            start = self.now()
+            out = self.real(*args, **kw)
+            self.spans.append((start, self.now()))
+            return out
+        dist.all_to_all_single = timed
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self.real
+
+    def take_ms(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        ms = sum(s.elapsed_time(e) if self.cuda else 1e3 * (e - s) for s, e in self.spans)
+        self.spans = []
+        return ms
+
+
 def per_rank_124m(world=8, batch_size=16, seq_len=1024, probe_tokens=128) -> list[dict]:
     """The file's MoE GPT-2 at GPT-2 124M shapes (12 layers, D=768): every MLP -> 8 experts (top-2, sigmoid gates,
     aux-loss-free bias) + 1 shared expert, --ep 8 on 8 ranks (one routed expert per rank per layer). One real
@@ -55,11 +92,14 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024, probe_tokens=128) -> lis
     try:
         flags = ["--model", "gpt2", "--device", "cpu", "--ep", str(world), "--experts", str(world), "--top-k", "2",
                  "--gate", "sigmoid", "--balance", "bias", "--shared-expert", "--batch-size", "1"]
-        args = moe_ep.make_parser().parse_args(flags + ["--seq-len", str(probe_tokens)])
+        parser = moe_ep.make_parser()
+        moe_ep.add_options(parser)
+        args = parser.parse_args(flags + ["--seq-len", str(probe_tokens)])
+        moe_ep.option_defaults(args)
         moe_ep.check_args(args, world)
         ep_group, expert_dp_group = moe_ep.make_groups(0, world, world)
-        meter = moe_ep.meter  # moe_ep's meter: the core calls it beside every collective
-        meter.take_a2a(), meter.take_mb()
+        moved, comm = moe_ep.moved, moe_ep.comm  # moe_ep's meters: the core counts beside every collective
+        moved.take_mb(), comm.take_mb()
         model = gpt2.build_model(args)
         for i, block in enumerate(model.h):
             block.mlp = moe_ep.DeepSeekMoE(model.config, args, i, model.init_weights, 0, ep_group)
@@ -96,7 +136,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024, probe_tokens=128) -> lis
         dense_gpt2 = cfg.padded_vocab * D + cfg.block_size * D + L * (12 * D * D + 13 * D) + 2 * D
         closed_params = dense_gpt2 + L * (args.experts // world + 1 - 1) * mlp + L * args.experts * D
         half = step(probe_tokens // 2, backward=False)
-        meter.take_a2a(), meter.take_mb()
+        moved.take_mb(), comm.take_mb()
         rows = []
         for dispatch in ("expert", "rank"):
             for m in moes:
@@ -112,7 +152,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024, probe_tokens=128) -> lis
             opt.zero_grad(set_to_none=True)
             scale = batch_size * seq_len / probe_tokens
             counts = cfg.n_layer * (world - 1) * 8 * (1 if dispatch == "rank" else args.experts // world)  # not per token
-            raw_a2a = meter.take_a2a()[0]
+            raw_a2a = moved.take_mb()
             a2a_mb = (raw_a2a - counts / 1e6) * scale + counts / 1e6
             args.dispatch = dispatch
             a2a_closed = cfg.n_layer * moe_ep.a2a_bytes_uniform(args, batch_size * seq_len, cfg.n_embd * 2) / 1e6
@@ -122,7 +162,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024, probe_tokens=128) -> lis
                       + 2 * (world - 1) / world * 4 / 1e6)
             rows.append({"setup": "moe_ep.py --ep 8 --experts 8 --top-k 2 --shared-expert" +
                          (" --dispatch rank" if dispatch == "rank" else ""),
-                         "comm_MB": a2a_mb + meter.take_mb() - raw_a2a, "comm_MB_closed": closed, "act_MB": act,
+                         "comm_MB": a2a_mb + comm.take_mb(), "comm_MB_closed": closed, "act_MB": act,
                          "how": f"fake PG rank 0 of {world}, all-to-alls mirrored; one real CPU bf16 step at "
                                 f"1x{probe_tokens} tokens, token bytes and activations scaled to {batch_size}x{seq_len}"})
         for r in rows:  # the dispatch moves no persistent tensor: one model, one optimizer, the same memory
@@ -172,24 +212,24 @@ def time_options(world, rank, device, dtype, a, iters=5):
                      ("--shared-expert --overlap-shared", dict(shared_expert=True, overlap_shared=True))):
         args = ap.Namespace(**{**dict(experts=a.experts, ep=world, top_k=a.top_k, gate="softmax", capacity_factor=0.0,
                                       seed=0, shared_expert=False), **kw})
-        meter = moe_ep.meter
+        timer = A2ATimer(device)
         Layer = moe_ep.DeepSeekMoE if moe_ep.uses_deepseek(args) else moe_ep.MoE
         layer = Layer(cfg, args, 0, gpt2.GPT(cfg).init_weights, rank, dist.group.WORLD).to(device, dtype).train()
         times, waits, mbs = [], [], []
         for i in range(iters + 2):
             x = h.clone().requires_grad_()
-            meter.take_a2a(), meter.take_mb()
+            moe_ep.moved.take_mb(), timer.take_ms()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            layer(x).square().mean().backward()
+            with timer:
+                layer(x).square().mean().backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
-                mb, ms = meter.take_a2a()
-                waits.append(ms / 1e3)
-                mbs.append(mb)
+                waits.append(timer.take_ms() / 1e3)
+                mbs.append(moe_ep.moved.take_mb())
         results.append((name, statistics.median(times) * 1e3, statistics.median(waits) * 1e3, statistics.median(mbs)))
     return results
 
@@ -225,7 +265,7 @@ def main():
     send, recv = send.tolist(), recv.tolist()
     rows = torch.randn(a.rows, a.width, generator=g).to(device, dtype)
     group = dist.group.WORLD
-    ours = lambda x, s, r: moe_ep.AllToAll.apply(x, s, r, group, "bench")
+    ours = lambda x, s, r: moe_ep.AllToAll.apply(x, s, r, group)
     theirs = lambda x, s, r: funcol.all_to_all_single_autograd(x, r, s, group)
     t_ours, y1, g1 = time_a2a(ours, rows, send, recv, 10, device)
     t_theirs, y2, g2 = time_a2a(theirs, rows, send, recv, 10, device)
@@ -246,14 +286,18 @@ def main():
     options = time_options(world, rank, device, dtype, a)
     rows_out = []
     for ep in (1, world):
-        recs = moe_ep.cli(common + ["--ep", str(ep), "--out", os.path.join(out, f"ep{ep}")])
+        timer = A2ATimer(device)
+        with timer:
+            recs = moe_ep.cli(common + ["--ep", str(ep), "--out", os.path.join(out, f"ep{ep}")])
+        a2a_ms = timer.take_ms() / a.steps  # the mean per step, the first 2 included
         timed = [r for r in recs if "loss" in r][2:]
         theory, cfg = argparse.Namespace(ep=ep, experts=a.experts, top_k=a.top_k, activation_checkpointing=False), gpt2.MODELS[a.model]
         for r in timed:  # the all-to-all bytes if routing were uniform (dropless)
             r["a2a_mb_theory"] = cfg.n_layer * moe_ep.a2a_bytes_uniform(theory, a.batch_size * a.seq_len,
                                                                         cfg.n_embd * dtype.itemsize) / 1e6
         med = lambda k: statistics.median(r[k] for r in timed)
-        rows_out.append((ep, med("tok_per_s"), med("dt_ms"), med("a2a_ms"), med("a2a_mb"), med("a2a_mb_theory"), med("comm_mb")))
+        rows_out.append((ep, med("tok_per_s"), med("dt_ms"), a2a_ms, med("exchange_mb"), med("a2a_mb_theory"),
+                         med("comm_mb")))
 
     if rank == 0:
         print(f"\nall-to-all, {world} ranks, {a.rows} rows x {a.width} ({mb:.1f} MB per rank), uneven splits, fwd+bwd, "

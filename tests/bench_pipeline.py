@@ -41,9 +41,9 @@ import pipeline as pl  # noqa: E402
 from test_pipeline import TorchStage  # noqa: E402
 
 
-def gather_spans(pipe, x, y, name):
+def gather_spans(pipe, x, y):
     """One step timed op by op (pipeline.py's own measurement) -> every pipeline rank's [(op, start, end)]."""
-    measured = pl.measure_bubbles(pipe, x, y, [(name, pipe.run)])[name]
+    measured = pl.timed_spans(pipe, x, y)
     return [[(pl.Op(*op), a, b) for op, a, b in g["spans"]] for g in measured[: pipe.P]]
 
 
@@ -57,12 +57,18 @@ def memory_now(device):
 
 def before(cls):
     """cls as pipeline.py was before its memory hygiene: every stage output it sends stays referenced until
-    the end of the step, the I/W tape keeps each matmul's output (the logits among them), messages are fp32."""
+    the end of the step, the I/W tape keeps each matmul's output (the logits among them), messages are fp32.
+    exchange: the core's loops; send: the planned executor's."""
     class Before(cls):
         def __init__(self, *a):
             self.kept = []
             super().__init__(*a)
             self.wire_dtype = torch.float32
+
+        def exchange(self, send_to=None, tensor=None, recv_from=None):
+            if send_to is not None:
+                self.kept.append(tensor)
+            return super().exchange(send_to, tensor, recv_from)
 
         def send(self, message, batch):
             if message is not None:
@@ -75,8 +81,8 @@ def before(cls):
                 if self.tape is not None:
                     self.kept.append(output)
 
-        def run(self, *a, **k):
-            out = super().run(*a, **k)
+        def step(self, *a, **k):
+            out = super().step(*a, **k)
             self.kept = []
             return out
     return Before
@@ -111,7 +117,7 @@ def peak_memory(pipe, x, y, M, device):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     start = peak[0] = memory_now(device)
-    pipe.run(x, y, 1.0 / M)
+    pipe.step(x, y, 1.0 / M)
     if device.type == "cuda":
         peak[0] = torch.cuda.max_memory_allocated(device)
     for name in ops:
@@ -165,7 +171,7 @@ def main():
         M = args.micro_batches
         if args.n_layer % pl.num_stages(name, P, args.virtual_stages):
             continue
-        pl.check_args(args, world)
+        pl.check_cli_args(args, world)
         mem = {"before": (float("nan"), float("nan"))}
         for kind, cls in (("before", before(pl.pipeline_class(name))), ("now", pl.pipeline_class(name)))[args.quick:]:
             pipe = cls(args, ctx, P)
@@ -178,10 +184,10 @@ def main():
             continue
 
         def step():
-            pipe.run(x, y, 1.0 / M)
+            pipe.step(x, y, 1.0 / M)
             pipe.model.zero_grad(set_to_none=True)
         ms = time_steps(step, args.steps, ctx.device)
-        st = pl.bubble_stats(name, P, M, gather_spans(pipe, x, y, name), args.virtual_stages)
+        st = pl.bubble_stats(name, P, M, gather_spans(pipe, x, y), args.virtual_stages)
         rows.append((name, M, ms, st, peaks[:P]))
         if name == "1f1b":
             ours_1f1b, ours_pipe = ms, pipe
@@ -200,7 +206,7 @@ def main():
     # PyTorch's Schedule1F1B on the same stages (same layers, same micro-batches, same loss scaling)
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     pipe = ours_pipe
-    s = pipe.pp_rank
+    s = pipe.stage
     mod = TorchStage(pl.keep_only(copy.deepcopy(gpt2.build_model(args)), set(range(*pipe.layers[s])), s == 0, s == P - 1),
                      *pipe.layers[s], s == 0, s == P - 1).to(ctx.device)
     stage = PipelineStage(mod, s, P, ctx.device)
@@ -251,7 +257,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
             "--batch-size", str(M), "--seq-len", str(T), "--dp", str(D), "--device", "cpu",
             "--dtype", "bfloat16", "--out", os.path.join("out", "per_rank_124m")])
         ctx = gpt2.Context(0, world, 0, torch.device("cpu"), torch.bfloat16, True)
-        pipe = pl.pipeline_class(name)(args, ctx, P)
+        pipe = pl.pipeline_class(name, D)(args, ctx, P)
         comm = pipe.comm
         params = list(pipe.model.parameters())
         param_ptrs = {p.data_ptr() for p in params}
@@ -265,16 +271,16 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024) -> list[dict]:
         pipe.current = None
         forward = pipe.forward
 
-        def counted(op, h):
-            pipe.current = (op.stage, op.mb)
-            message = forward(op, h)
+        def counted(s, mb, h):
+            pipe.current = (s, mb)
+            out = forward(s, mb, h)
             pipe.current = None
-            return message
+            return out
         pipe.forward = counted
         x = torch.randint(0, 50257, (M, T))
         scale = batch_size / M * seq_len / T
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            pipe.run(x, x, 1.0 / M)
+            pipe.step(x, x, 1.0 / M)
         p2p = comm.take_mb() * scale
         pipe.sync_grads()  # allocates the gradients and counts the tied-embedding and replica all-reduces
         opt = gpt2.make_adamw(gpt2.optimizer_groups(pipe.model, 0.1), args, ctx.device)

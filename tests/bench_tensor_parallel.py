@@ -71,13 +71,13 @@ def dtensor_clip(model, max_norm):
         p.grad.mul_(coef)
 
 
-def main():
+def main(argv=None):
     p = gpt2.make_parser("bench: tensor_parallel.py vs DTensor")
     p.add_argument("--sequence-parallel", action="store_true", help="ours with SP (DTensor side stays plain TP)")
     p.add_argument("--overlap-comm", action="store_true", help="add a row: ours with --overlap-comm")
     p.add_argument("--per-rank-124m", action="store_true", help="print the GPT-2 124M per-rank table and exit")
     p.set_defaults(steps=10, batch_size=8, seq_len=64, n_layer=2, eval_every=0, device="auto", out="out/bench_tp")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.per_rank_124m:
         print_table(per_rank_124m())
         return
@@ -85,6 +85,9 @@ def main():
     args.tp = None  # all ranks form one TP group
     args.tp = tp.validate(args, gpt2.model_config(args), world)
     ctx = gpt2.setup(args)
+    cfg = gpt2.model_config(args)
+    # the data first: offline without --data, one line naming --data DIR, before any model is built
+    loaders = {name: gpt2.make_loaders(args, 0, 1, cfg.vocab_size)[0] for name in ("ours", "ours_overlap", "dtensor")}
     sp = args.sequence_parallel  # the classes tensor_parallel.cli picks for these flags
     grid = tp.make_grid(world, ctx.rank, world, tp.SequenceParallelGrid if sp else tp.Grid)
     model_class = tp.SequenceParallelGPT if sp else tp.TensorParallelGPT
@@ -96,14 +99,13 @@ def main():
         models["ours_overlap"] = (tp.SequenceParallelGPT if sp else tp.OverlapCommGPT)(
             gpt2.build_model(args).to(ctx.device), grids["ours_overlap"])
     models["dtensor"], pad = dtensor_model(args, ctx, world)
-    opts, loaders, times, losses = {}, {}, {k: [] for k in models}, {k: [] for k in models}
+    opts, times, losses = {}, {k: [] for k in models}, {k: [] for k in models}
     for name, model in models.items():
         if args.compile:
             for b in model.h:
                 b.attn.compile()
                 b.mlp.compile()
         opts[name] = gpt2.make_adamw(gpt2.optimizer_groups(model, args.weight_decay), args, ctx.device)
-        loaders[name] = gpt2.make_loaders(args, 0, 1, vocab_size=50257)[0]
     for step in range(args.steps):  # interleaved, so both see the same machine load
         for name, model in models.items():
             if ctx.device.type == "cuda":
@@ -141,7 +143,6 @@ def main():
         on, off = results["ours_overlap"][0], results["ours"][0]
         gpt2.print0(f"overlap: {on:.1f} ms a step with --overlap-comm vs {off:.1f} ms without ({off / on:.2f}x); "
                     f"only backward's dX all-reduces can hide, the forward ones stay exposed")
-    dist.destroy_process_group()
 
 
 def per_rank_124m(world=8, batch_size=16, seq_len=1024):
@@ -177,7 +178,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024):
         model.sync_grads()
         tp.clip_grad_norm(model, grid, args.grad_clip)
         opt.step()
-        tp.all_reduce(loss.detach(), grid, "loss dp", group="dp")
+        tp.all_reduce(loss.detach(), grid, group="dp")
         step_mb = grid.meter.take_mb()
         n_local = sum(p.numel() for p in model.parameters())
         # closed form of this rank's parameters: the cut matmuls and wte over t, the rest whole
@@ -188,7 +189,7 @@ def per_rank_124m(world=8, batch_size=16, seq_len=1024):
             "setup": f"tensor_parallel.py --tp {tp_size}" + (" --sequence-parallel" if sp else "")
                      + (f" (DP={world // tp_size})" if tp_size < world else ""),
             "comm_MB": batch_size * micro_mb + step_mb,
-            "comm_MB_closed": tp.comm_bytes_closed_form(cfg, args, grid, 2, n_closed) / 1e6,
+            "comm_MB_closed": model.comm_bytes_per_step(args, 2) / 1e6,
             "params_MB": mb(model.parameters()),
             "grads_MB": mb(p.grad for p in model.parameters()),
             "optim_MB": mb(v for s in opt.state.values() for v in s.values() if v.dim() > 0),
@@ -211,4 +212,4 @@ def print_table(rows):
 
 
 if __name__ == "__main__":
-    main()
+    gpt2.run_main(main)  # a mistake (offline without --data, a bad flag) is one line, as in every file

@@ -4,7 +4,8 @@
     # ... write them (each raises NotImplementedError("exercise N: what to write") until you do) ...
     python -m pytest -q --impl mine tests/test_ddp.py    # exactly the tests that check ours, on your copy
 
-    python tests/exercise.py ddp.py --core --out handout  # handout/ddp.py: the core alone (it trains), + gpt2.py
+    python tests/exercise.py ddp.py --core --out handout  # handout/ddp.py: the core alone (it trains), and a
+                                                          # gpt2.py of only what it uses; its docstring: the lesson
     python tests/exercise.py ddp.py --bug list           # the bug zoo: plausible bugs, each with its symptom
     python tests/exercise.py ddp.py --bug 2 --out zoo    # zoo/ddp.py with bug 2 planted: find it
 
@@ -16,13 +17,14 @@ shows every file's exercises. The functions to write are listed here, not marked
 import argparse
 import ast
 import os
+import re
 import sys
 
 # file -> [(function or Class.method, what to write)], in the order a reader meets them
 EXERCISES = {
     "ddp.py": [
         ("DataParallel.take_grad", "copy p.grad into its slice of the bucket, divided by the world size (a mean), "
-                                   "then drop p.grad and mark the slice ready"),
+                                   "then drop p.grad, mark the slice ready and count it (self.pending -= 1)"),
         ("DataParallel._launch_ready_buckets", "launch every complete bucket, strictly in index order (every rank "
                                                "must issue the same all-reduces in the same order)"),
         ("DataParallel.launch", "start the bucket's all-reduce asynchronously (async_op=True), keep the work "
@@ -31,36 +33,45 @@ EXERCISES = {
     ],
     "fsdp2.py": [
         ("NaiveZeRO3.reduce_scatter_grads", "after backward, for each parameter: its gradient cut into N row-blocks "
-                                            "(torch._chunk_cat), reduce-scatter (SUM), / N, added into the slice's "
+                                            "(rank_major), reduce-scatter (SUM), / N, added into the slice's "
                                             ".grad; then free the full gradient and weight"),
         ("ShardedUnit.unshard", "wait for the unit's all-gather (start_gather issues it), give each padded "
                                 "parameter its storage back and copy every rank's rows into it (one copy)"),
         ("ShardedUnit.reshard", "free each padded parameter's storage (resize it to 0 bytes), keeping the tensor"),
         ("ShardedUnit.reduce_scatter_grads", "lay the full gradients out rank-major in one fp32 buffer (N, "
-                                             "shard_numel) with one copy, reduce-scatter (SUM) it asynchronously; "
-                                             "return (work, out, buf, issue time)"),
+                                             "shard_numel): torch.cat of each one's rank_major(...) along dim 1, "
+                                             "out=buf; reduce-scatter (SUM) it asynchronously; return (work, out, "
+                                             "buf, issue time)"),
     ],
     "tensor_parallel.py": [
         ("CopyToTP.backward", "f's backward: all-reduce (sum) the input gradient over the TP group"),
         ("ReduceFromTP.forward", "g's forward: all-reduce (sum) the partial outputs over the TP group"),
-        ("ParallelBlock.forward", "the block written literally: f -> column matmul -> attention -> row matmul -> g, "
-                                  "then the bias once, twice (attention, MLP), with the residuals"),
+        ("RowParallelLinear.forward", "this rank's partial sum X_r W_r^T (no bias), g (the sum over the TP "
+                                      "group), then the bias once"),
+        ("ParallelBlock.forward", "the block: f (enter_tp) in front of each column matmul (attention, MLP), "
+                                  "with the residuals; g is inside each row matmul"),
         ("VocabParallelCrossEntropy.forward", "the mean cross-entropy from (N, V/t) logit shards: all-reduce the "
                                               "row max (MAX), then [sum of exp, target logit] (SUM); save the "
                                               "softmax for backward"),
     ],
     "pipeline.py": [
-        ("naive_step", "all M forwards (stage > 0: dist.recv the activation from the rank above; pipe.compute("
-                       "Op('F', s, mb), h); not the last stage: dist.send the output down), then all M backwards the "
-                       "same way up (the output's gradient from below, the input's gradient sent up); pipe.start "
-                       "first, return pipe.loss_sum"),
-        ("one_f_one_b", "1F1B's op list for one rank: P-1-rank warm-up forwards, then one forward one backward, "
-                        "then the remaining backwards"),
-        ("Pipeline.run", "one step: self.start(x, y, scale), issue the receives planned before the first op, then "
-                         "for each op: wait for its planned receive (self.inbox[message_in(op, S)]), compute, send "
-                         "(with the batch planned after it); wait for the sends; return self.loss_sum"),
+        ("naive_step", "forwards(pipe, x, y, scale) (every forward: the activation in, compute, the output "
+                       "out), then all M backwards the same way up: pipe.exchange(recv_from=pipe.down) the "
+                       "output's gradient, pipe.compute('B', mb, grad), pipe.exchange(pipe.up, the input's "
+                       "gradient); return pipe.loss_sum"),
+        ("one_f_one_b", "P-1-stage warm-up forwards, then per steady step one forward whose send down "
+                        "rides with the receive of a gradient from below and one backward whose send up "
+                        "rides with the receive of the next activation (if one is still to come), then "
+                        "the remaining backwards; pipe.start first, return pipe.loss_sum"),
+        ("Pipeline.exchange", "one dist.batch_isend_irecv of the send (the tensor detached, in "
+                              "self.wire_dtype, contiguous, its bytes counted by self.comm.send) and the "
+                              "receive (an empty self.act_shape buffer), each only if its rank is not "
+                              "None; wait for every work; return the received buffer or None"),
     ],
     "moe_ep.py": [
+        ("NaiveMoE.forward", "route, mark the choices beyond capacity -1 (keep_within_capacity), all-gather the EP "
+                             "group's tokens and choices (AllGather), run each local expert on all of them (0 where "
+                             "a token did not choose it), reduce-scatter (ReduceScatter), weight by the gates"),
         ("AllToAll.backward", "the gradient of a received row goes back to its sender: the same exchange with the "
                               "splits swapped"),
         ("plan_dispatch", "sort the assignments by expert (keep_within_capacity), exchange the per-expert counts "
@@ -107,8 +118,8 @@ HINTS = {
     "test_tensor_parallel": "wrong from step 0: f and g are conjugates (f: identity forward, all-reduce backward; g: "
                             "all-reduce forward, identity backward) and the row-parallel bias is added once, after g; "
                             "the loss needs the global row max and the global sum of exp.",
-    "test_pipeline": "a hang: every receive must be issued in the batch the plan gives it (plan[rank][i + 1] after "
-                     "op i); a wrong loss: the last stage scales each micro-batch's loss by 1/M.",
+    "test_pipeline": "a hang: each exchange pairs a send with the receive the peer posts at the same point of its "
+                     "loop (one batch_isend_irecv); a wrong loss: the last stage scales each micro-batch's loss by 1/M.",
     "test_moe_ep": "EP differs from one rank: combine must swap dispatch's splits, and backward is the same "
                    "exchange with the splits swapped; a hang: every rank exchanges counts before rows.",
     "test_muon": "one rank already differs from torch.optim.Muon: the momentum is an EMA (lerp) and Nesterov "
@@ -128,8 +139,8 @@ HINTS = {
 CHECKS = {
     "ddp.py": ("two_ranks_match_one_process", ("1.0 / self.world", "1.0")),  # gradients summed, not averaged
     "fsdp2.py": ("gradients_after_one_step", ("out /= dist.get_world_size()", "out /= 1")),  # reduce-scatter summed
-    "tensor_parallel.py": ("parallel_layers_dtensor", ("return all_reduce(grad.contiguous(), ctx.grid, ctx.label), None, None",
-                                                       "return grad, None, None")),  # f's backward without its all-reduce
+    "tensor_parallel.py": ("parallel_layers_dtensor", ("return all_reduce(grad.contiguous(), ctx.grid), None",
+                                                       "return grad, None")),  # f's backward without its all-reduce
     "pipeline.py": ("two_ranks_every_schedule", ("out = self.model.head_loss(h, self.ys[mb]) * self.scale",
                                                  "out = self.model.head_loss(h, self.ys[mb])")),  # losses not scaled by 1/M
     "moe_ep.py": ("expert_parallel_equals_one_process", ("    flat /= world\n", "    flat /= n\n")),  # / EP group
@@ -159,10 +170,11 @@ BUGS = {
         ("ZeRO-2 with one bucket in flight", "    in_flight = 2  #", "    in_flight = 1  #",
          "every curve matches; backward waits on each previous bucket's reduce-scatter (bench_ddp.py: blocked ms)",
          "zero2_keeps_two_buckets_in_flight", "reduce-scatters in flight (expected 2"),
-        ("buckets in forward order", "bucket_params(list(reversed(self.params)), cap)",
+        ("buckets in forward order", "bucket_params(self.params[::-1], cap)",
          "bucket_params(self.params, cap)",
          "the same losses, but bucket 0 holds wte, whose gradient lands last: nothing starts during backward, the "
-         "exposed communication line shows no gain", "buckets_launched_during_backward", "launched during backward"),
+         "closing line says 0.00 of the bytes launched during backward", "buckets_launched_during_backward",
+         "launched during backward"),
         ("no_sync forgotten in the loop",
          "            with ddp.no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext():",
          "            with contextlib.nullcontext():",
@@ -190,29 +202,41 @@ BUGS = {
         ("units never freed after forward", "unit.reshard()  # ZeRO-3: free", "pass  # ZeRO-3: free",
          "the same losses, but every unit stays gathered from its forward to its backward (SHARD_GRAD_OP's memory)",
          "gradients_after_one_step_and", "is each unit freed"),
+        ("gradients reduced in param_dtype", "dtype=torch.float32, device=self.device)",
+         "dtype=self.param_dtype, device=self.device)",
+         "fp32 runs are right; with param_dtype=float16 the gradients are summed in fp16 (fully_shard's "
+         "reduce_dtype=float32 sums in fp32) and torch refuses them as the fp32 slices' .grad", "param_dtype",
+         "attempting to assign a gradient with dtype"),
+        ("HSDP's replica all-reduce waited at once", "            self.pending_ar = (unit, work, out)\n",
+         "            self.pending_ar = (unit, work, out)\n            self.wait_all_reduce()\n",
+         "every gradient and curve is right, but the compute stream waits out each unit's inter-node all-reduce",
+         "hsdp_gradients", "waited for at once"),
     ],
 
     "tensor_parallel.py": [
         ("the loss all-reduces the row max but never subtracts it",
          """        exp = (logits - row_max.unsqueeze(1)).exp_()  # (N, V/t): shifted, so exp never overflows
-        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is on this rank
+        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is here
         local_t = (targets - lo).masked_fill(~mine, 0)  # (N,)
-        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)  # (N,)
-        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid, "loss sums")  # (2, N)
+        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1)  # (N,)
+        target_logit = target_logit.masked_fill(~mine, 0.0)  # the owner's, 0 elsewhere
+        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid)  # (2, N)
         loss = (stats[0].log() + row_max - stats[1]).mean()""",
          """        exp = logits.exp()  # (N, V/t)
-        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is on this rank
+        mine = (targets >= lo) & (targets < lo + logits.size(1))  # (N,): the target column is here
         local_t = (targets - lo).masked_fill(~mine, 0)  # (N,)
-        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)  # (N,)
-        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid, "loss sums")  # (2, N)
+        target_logit = logits.gather(1, local_t.unsqueeze(1)).squeeze(1)  # (N,)
+        target_logit = target_logit.masked_fill(~mine, 0.0)  # the owner's, 0 elsewhere
+        stats = all_reduce(torch.stack([exp.sum(dim=1), target_logit]), grid)  # (2, N)
         loss = (stats[0].log() - stats[1]).mean()""",
          "training from scratch matches gpt2.py; from OpenAI's weights (logits near 1000) the loss is inf or nan",
          "parallel_layers_dtensor", "loss_offset1000"),
-        ("the attention's row-parallel bias added on every rank, before g",
-         "        x = x + (exit_tp(y, self.grid, g) + self.attn_bias)  # g, then the bias once",
-         "        x = x + exit_tp(y + self.attn_bias, self.grid, g)  # g, then the bias once",
+        ("the row-parallel bias added on every rank, before g",
+         "        y = self.grid.g(F.linear(x, self.weight))  # this rank's partial sum, then the sum of all\n"
+         "        return y if self.bias is None else y + self.bias  # once, after g",
+         "        return self.grid.g(F.linear(x, self.weight, self.bias))  # every rank's bias, summed",
          "from scratch (zero biases) the first steps match gpt2.py, then the curves part; pretrained weights are off "
-         "from step 0", "parallel_layers_dtensor", "block_out"),
+         "from step 0", "parallel_layers_dtensor", "row_out"),
         ("gradients summed over the DP group instead of averaged",
          "torch.cat([g.reshape(-1) for g in grads]).div_(self.grid.dp)",
          "torch.cat([g.reshape(-1) for g in grads])",
@@ -224,19 +248,21 @@ BUGS = {
          "the curve drifts from gpt2.py's only while clipping is active (a slightly larger norm, a smaller step)",
          "parallel_layers_dtensor", "clip_norm"),
         ("g's backward all-reduces the gradient as well (f and g not conjugate)",
-         """        return all_reduce(x, grid, label)
+         """        return all_reduce(x, grid)
+
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None""",
+        return grad, None""",
          """        ctx.grid = grid
-        return all_reduce(x, grid, label)
+        return all_reduce(x, grid)
+
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.contiguous(), ctx.grid, "g backward"), None, None""",
+        return all_reduce(grad.contiguous(), ctx.grid), None""",
          "the loss is right at step 0 and wrong from step 1: every gradient below a row-parallel matmul is t times "
          "too large", "parallel_layers_dtensor", "row_dx"),
         ("the loss's backward subtracts the one-hot on every rank, not only on the target's owner",
-         "        one_hot = mine.to(softmax.dtype).unsqueeze(1)  # (N, 1): 1 where this rank holds the target, else 0",
+         "        one_hot = mine.to(softmax.dtype).unsqueeze(1)  # (N, 1): 1 where this rank holds the target",
          "        one_hot = torch.ones_like(softmax[:, :1])  # (N, 1)",
          "the loss is right at step 0, wrong from step 1; the embedding learns the wrong tokens",
          "parallel_layers_dtensor", "loss_dwte"),
@@ -245,33 +271,51 @@ BUGS = {
          "    foreign = (idx < lo) | (idx > hi)  # (B, T)",
          "an IndexError on the first batch holding the token id t*V/t's boundary (25152 at TP=2), or a silently "
          "doubled embedding row", "parallel_layers_dtensor", "vocab_parallel_embedding"),
+        ("the clip reads the norm on the host", "    return all_reduce(torch.stack(sq).sum(), grid).sqrt()\n",
+         "    return torch.tensor(all_reduce(torch.stack(sq).sum(), grid).sqrt().item())\n",
+         "every curve matches; on CUDA every step waits for the GPU once more, in the clip",
+         "norm_and_clip_add_no_host_sync", "host syncs in grad_norm"),
+        ("--overlap-comm read but not applied", "    elif args.overlap_comm:\n        grid_class, model_class",
+         "    elif False:\n        grid_class, model_class",
+         "every curve matches (the same products); the timeline shows no dX all-reduce under its dW",
+         "each_flag_changes_what_it_must", "the flag must move each all-reduce before its dW"),
     ],
 
     "pipeline.py": [
         ("loss not scaled by 1/M", "out = self.model.head_loss(h, self.ys[mb]) * self.scale",
          "out = self.model.head_loss(h, self.ys[mb])", "the logged loss is M times gpt2.py's from step 0, every "
          "gradient M times too large", "two_ranks_every_schedule", "loss, naive rank"),
-        ("tied wte/lm_head gradients not summed", "        if self.P > 1 and (self.first or self.last):\n"
-         "            self.all_reduce(", "        if False:\n            self.all_reduce(",
-         "the curve drifts from gpt2.py after step 0; the first and last stage's wte differ", "two_ranks_every_schedule",
-         "norm of wte.weight"),
+        ("tied wte/lm_head gradients not summed", "        if self.P > 1 and (self.first or self.last):\n",
+         "        if False:\n", "the curve drifts from gpt2.py after step 0; the first and last stage's wte "
+         "differ", "two_ranks_every_schedule", "norm of wte.weight"),
         ("--dp gradients summed, not averaged", "            self.all_reduce(p.grad, self.dp_group)\n"
          "            p.grad /= self.D\n", "            self.all_reduce(p.grad, self.dp_group)\n",
          "--dp 2 runs drift from gpt2.py only slowly (AdamW hides a constant scale)", "four_ranks", "--dp 2 rank"),
-        ("clip norm not summed over the stages", "        if self.P > 1:\n            self.all_reduce(sq, self.pp_group)"
+        ("clip norm not summed over the stages", "        if self.P > 1:\n            self.all_reduce(sq, self.pipe_group)"
          "  # the sum of squares over the stages\n", "", "each stage clips by its own norm: too little, from the "
          "first clipped step", "two_ranks_every_schedule", "gradient clipped to half its norm"),
-        ("clip coefficient clamped the wrong way", "max=1.0)  # a tensor: no host sync",
-         "min=1.0)  # a tensor: no host sync", "gradients are never clipped: the coefficient never goes below 1",
-         "two_ranks_every_schedule", "gradient clipped to half its norm"),
+        ("clip coefficient clamped the wrong way", "max=1.0)  # a tensor: no host sync", "min=1.0)  # a tensor: no host sync",
+         "gradients are never clipped: the coefficient never goes below 1", "two_ranks_every_schedule",
+         "gradient clipped to half its norm"),
         ("--grad-accum not in the loss scale", "scale = 1.0 / (args.micro_batches * args.grad_accum)",
          "scale = 1.0 / args.micro_batches", "at --grad-accum 2 the logged loss is twice gpt2.py's",
          "two_ranks_every_schedule", "--grad-accum 2"),
-        ("1F1B with one warm-up forward too many", "warmup = min(P - 1 - rank, M)  # forwards",
-         "warmup = min(P - rank, M)  # forwards", "the same losses, but every rank holds one micro-batch more "
-         "than P - rank", "schedule_definitions", "one_f_one_b(2, 4, 0)"),
+        ("1F1B with one warm-up forward too many", "warmup = min(P - 1 - s, M)  # forwards",
+         "warmup = min(P - s, M)  # forwards", "the same losses, but every rank holds one micro-batch more than "
+         "P - stage", "core_loops_pair_their_messages", "held per stage [2, 2], expected [2, 1]"),
+        ("the last steady backward waits for an activation that never comes",
+         "recv_from=pipe.up if more else None)", "recv_from=pipe.up)",
+         "the first step hangs at its end on every rank but the first (a receive no rank sends)",
+         "core_loops_pair_their_messages", "unmatched"),
+        ("--naive read but not applied", "return (naive_step if self.args.naive else one_f_one_b)(self, x, y, scale)",
+         "return one_f_one_b(self, x, y, scale)", "the same losses (both loops compute the same gradients), "
+         "but --naive holds P - stage micro-batches, not M: the lesson it teaches is gone",
+         "two_ranks_every_schedule", "naive rank 0: the ops did not run in the op list's order"),
+        ("the core's checks skipped", "    check_args(args, P)\n    ctx = gpt2.setup(args)\n",
+         "    ctx = gpt2.setup(args)\n", "the whole file still refuses; the --core handout trains on 6 of 8 rows "
+         "at --micro-batches 3 and drops the last block when the ranks do not divide --n-layer",
+         "core_refuses", "gpt2.setup reached"),
     ],
-
     "moe_ep.py": [
         ("capacity rounds down", "math.ceil(self.cf * n_tokens * self.k / self.E)",
          "int(self.cf * n_tokens * self.k / self.E)",
@@ -297,6 +341,9 @@ BUGS = {
          "        expert_sq = expert_sq * 1  # this rank's experts only\n",
          "EP runs clip a little less than one rank once the gradient norm exceeds --grad-clip",
          "one_sgd_step", "clip_global_grad_norm"),
+        ("--naive takes its local expert ids for global ones", "(picks == self.first + e)", "(picks == e)",
+         "--naive on several ranks: every rank runs its experts on the tokens of experts 0..E/ep-1",
+         "expert_parallel_equals_one_process", "naive4 fp32 vs reference"),
         ("expert counts not summed over the ranks", "                dist.all_reduce(c)\n", "                c = c * 1\n",
          "each rank balances its own batch: the aux loss, drop rate and expert-load picture differ from one rank's",
          "expert_parallel_equals_one_process", "expert loads differ"),
@@ -360,10 +407,10 @@ BUGS = {
 
     "checkpoint.py": [
         ("the rename before the fsync",
-         "        os.fsync(f.fileno())  # the bytes on disk before the name: a crash never leaves `path` half-written\n"
+         "        os.fsync(f.fileno())  # the bytes on disk before the name: `path` is never half-written\n"
          "    os.replace(path + \".tmp\", path)  # atomic: path is the old file or the new one, never a mix\n",
          "        os.replace(path + \".tmp\", path)  # atomic: path is the old file or the new one, never a mix\n"
-         "        os.fsync(f.fileno())  # the bytes on disk before the name: a crash never leaves `path` half-written\n",
+         "        os.fsync(f.fileno())  # the bytes on disk before the name: `path` is never half-written\n",
          "training and resuming look fine; after a power loss a committed name can point at empty or torn bytes",
          "fsynced_then_renamed", "were not fsynced before the rename"),
         ("no fsync of the directory after the rename",
@@ -371,18 +418,18 @@ BUGS = {
          "training and resuming look fine; after a power loss the rename (the commit itself) can be undone",
          "fsynced_then_renamed", "was not fsynced after the rename"),
         ("rank 0 commits before the other shards are durable",
-         "        with self.timeline.compute(\"gather\", \"all_gather\"):  # every rank's (bytes, crc32) to every rank\n"
+         "        with self.io.compute(\"gather\", \"all_gather\"):  # every rank's (bytes, crc32) to every rank\n"
          "            reports = report.repeat(self.ctx.world, 1)\n"
          "            if self.group is not None:  # returns once every shard is durable\n"
          "                all_gather_single(reports.view(-1), report, group=self.group)\n"
          "        if self.ctx.master:\n"
-         "            with self.timeline.compute(f\"commit {step}\", \"io\"):\n"
+         "            with self.io.compute(f\"commit {step}\", \"io\"):\n"
          "                self.commit(step, d, reports, meta[\"loader\"])\n",
          "        reports = report.repeat(self.ctx.world, 1)\n"
          "        if self.ctx.master:\n"
-         "            with self.timeline.compute(f\"commit {step}\", \"io\"):\n"
+         "            with self.io.compute(f\"commit {step}\", \"io\"):\n"
          "                self.commit(step, d, reports, meta[\"loader\"])\n"
-         "        with self.timeline.compute(\"gather\", \"all_gather\"):  # every rank's (bytes, crc32) to every rank\n"
+         "        with self.io.compute(\"gather\", \"all_gather\"):  # every rank's (bytes, crc32) to every rank\n"
          "            if self.group is not None:  # returns once every shard is durable\n"
          "                all_gather_single(reports.view(-1), report, group=self.group)\n",
          "resumes work; a crash between the commit and a slow rank's write leaves a committed checkpoint with a "
@@ -412,6 +459,18 @@ BUGS = {
          "tensors[k][a - sh[\"lo\"]: b - sh[\"lo\"]]", "tensors[k][a - z.lo: b - z.lo]",
          "a resume on as many ranks as wrote it works; on another world size it crashes or loads the wrong weights",
          "every_piece", "read_slices"),
+        ("a shard's CRC-32 not checked before it is loaded",
+         "        check_bytes(path, data, shard)\n", "",
+         "a flipped byte in the newest checkpoint is resumed silently; the next loss can be in the millions",
+         "falls_back_to_the_newest_commit_that_verifies", "the core must verify every shard"),
+        ("a resume does not compare the flags with the checkpoint's",
+         "            refuse_another_run(man, d, self.args, self.zero, self.ctx.world)  # before any loading\n", "",
+         "a resume with another --lr or --seq-len goes on silently; another --n-embd crashes in read_slices",
+         "other_flags", "expected the one-line refusal naming"),
+        ("--fail-at exits before its save in flight is committed",
+         "            self.wait()  # its save in flight committed first: a resume finds the commit it expects\n", "",
+         "the crash lesson resumes from an older commit than the one it saved last (or from none)",
+         "max_restarts", "must wait for its save in flight"),
     ],
 }
 
@@ -423,6 +482,141 @@ def core_copy(source):
     assert source.count(BANNER) == 1, "no '# ---- Beyond the core ----' banner"
     core = source[: source.index(BANNER)].rstrip("\n")
     return core + '\n\n\nif __name__ == "__main__":\n    gpt2.run_main(main)\n'
+
+
+COURSE_DATA = "data/shakespeare_char"  # the course data, relative to the repository and to a handout
+
+
+def lesson_command(name, source):
+    """The file's own lesson command from its docstring (the first `torchrun ... FILE` line, backslash lines joined,
+    its comment and [optional] parts cut), with --data COURSE_DATA and --steps 20 (a minute on 2 cores) when it names
+    none; a plain one if the docstring has none."""
+    doc = (ast.get_docstring(ast.parse(source)) or "").replace("\\\n", " ")
+    for line in doc.splitlines():
+        if "torchrun" in line and f" {name}" in line:
+            cmd = re.sub(r"\s*\[[^\]]*\]", "", line[line.index("torchrun"):].split(" (")[0].split(" #")[0]).split()
+            at = cmd.index(name) + 1
+            cmd[at:at] = ["--data", COURSE_DATA] * ("--data" not in cmd) + ["--steps", "20"] * ("--steps" not in cmd)
+            return " ".join(cmd)
+    return f"torchrun --nproc_per_node=2 {name} --data {COURSE_DATA} --steps 20 --out out/{name[:-3]}"
+
+
+def handout_copy(name, source):
+    """The core alone (core_copy) with a paragraph closing its docstring: what the handout is, and the lesson
+    command to run from its directory."""
+    text = core_copy(source)
+    doc = ast.parse(text).body[0]
+    assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant), f"{name}: no module docstring"
+    lines = text.splitlines(keepends=True)
+    last = lines[doc.end_lineno - 1]
+    quote = max(last.rfind('"""'), last.rfind("'''"))  # the docstring's closing quotes
+    note = (f"\nHandout (`python tests/exercise.py {name} --core --out DIR`): this core, cut at its banner, and a\n"
+            f"gpt2.py of only what it uses. From DIR, with the course data in DIR/{COURSE_DATA}:\n"
+            f"    {lesson_command(name, source)}\n")
+    head = last[:quote].rstrip()
+    lines[doc.end_lineno - 1] = (head + "\n" if head else "") + note + last[quote:]
+    return "".join(lines)
+
+
+APPENDIX = "# ---- Appendix ----"
+# A handout's gpt2.py at most (issue 37 asks 900; gpt2.py's core is ~450 lines and the toolkit every core uses - run_main,
+# setup, make_parser, the checks, Metrics, Timeline - another ~600 with their blank lines, so 900 is not reached).
+LEAN_LINES = 1250
+LEAN_NOTE = "This handout's appendix"  # marks a gpt2.py written here (rewritten when another core joins it)
+LEAN_COMMANDS = ("train", "prepare", "sample")  # gpt2.py's commands a handout keeps, in this order, while they fit
+# What a handout leaves to the repository's gpt2.py: the name, replaced by a one-line refusal naming the flag.
+LEAN_STUBS = {"load_weights": ("--init-from", "weights (pretrained or a saved model.pt) are read by the repository's "
+                                              "gpt2.py"),
+              "check_init_from": ("--init-from", "weights are read by the repository's gpt2.py"),
+              "prepare": ("--data", "pass --data DIR: this handout's gpt2.py prepares no data; the repository's "
+                                    "`python gpt2.py prepare shakespeare-char` does"),
+              "lock_dir": (None, "the repository's gpt2.py also locks --out against a second run")}
+
+
+def names_used(node):
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def names_defined(node):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return set()
+
+
+def is_main_block(node):
+    return isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+
+
+def gpt2_names_used(source):
+    """The names a technique file takes from gpt2: `gpt2.X` anywhere, `from gpt2 import X`."""
+    tree = ast.parse(source)
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == "gpt2"}
+    return used | {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "gpt2"
+                   for a in n.names}
+
+
+def lean_gpt2(source, cores):
+    """gpt2.py for a handout: its core whole, and of its appendix only the definitions that the core, the
+    technique cores (`cores`: their sources) and the kept commands reach, transitively (by the names they use);
+    the commands (train, then prepare and sample while the file stays within LEAN_LINES) in a new __main__."""
+    lines = source.splitlines()
+    banners = [i for i, line in enumerate(lines) if line.startswith(APPENDIX)]
+    assert len(banners) == 1, "gpt2.py needs one line that starts with '# ---- Appendix ----'"
+    cut = banners[0]  # 0-based index of the banner
+    tree = ast.parse(source)
+    core_nodes = [n for n in tree.body if n.lineno <= cut]
+    appendix = [n for n in tree.body if n.lineno > cut and not is_main_block(n)]
+    roots = set().union(*(names_used(n) for n in core_nodes), *(gpt2_names_used(c) for c in cores))
+    always = [n for n in appendix if not names_defined(n)]  # statements that define nothing: kept as they are
+
+    def closure(commands):
+        need, kept = roots | set(commands) | set().union(*map(names_used, always)), set()
+        while True:
+            new = [n for n in appendix if id(n) not in kept and (names_defined(n) & need or n in always)]
+            if not new:
+                return [n for n in appendix if id(n) in kept]
+            for n in new:
+                kept.add(id(n))
+                if not stubbed(n, commands):
+                    need |= names_used(n)
+
+    def stubbed(n, commands):
+        return isinstance(n, ast.FunctionDef) and n.name in LEAN_STUBS and n.name not in commands
+
+    def render(commands):
+        chunks = []
+        for n in closure(commands):
+            if stubbed(n, commands):
+                flag, todo = LEAN_STUBS[n.name]
+                body = f"fail(\"not in this handout's gpt2.py\", {flag!r}, {todo!r})" if flag else f"pass  # {todo}"
+                chunks.append(f"def {n.name}(*args, **kwargs):  # the repository's gpt2.py has the whole one\n"
+                              f"    {body}")
+                continue
+            first = min([n.lineno] + [d.lineno for d in getattr(n, "decorator_list", [])]) - 1
+            while first > 0 and lines[first - 1].startswith("#") and not lines[first - 1].startswith(APPENDIX):
+                first -= 1  # the comment right above it
+            chunks.append("\n".join(lines[first:n.end_lineno]))
+        main = ('if __name__ == "__main__":\n'
+                f'    commands = {{{", ".join(f"{c!r}: {c}" for c in commands)}}}\n'
+                '    if len(sys.argv) < 2 or sys.argv[1] not in commands:\n'
+                '        sys.exit(f"usage: python gpt2.py {{{\',\'.join(commands)}}} [flags]   (add -h to a command for '
+                'its flags)")\n'
+                '    run_main(commands[sys.argv[1]], sys.argv[2:])\n')
+        head = "\n".join(lines[:cut]).rstrip("\n")
+        note = (f"{APPENDIX}\n# {LEAN_NOTE}: only what the cores beside it use (tests/exercise.py --core "
+                f"chose it); the\n# repository's gpt2.py has the rest (HF weights, FineWeb, HellaSwag, export, "
+                f"the profiler and timeline).")
+        return head + "\n\n\n" + note + "\n\n\n" + "\n\n\n".join(chunks) + "\n\n\n" + main
+
+    commands = ["train"]
+    for extra in LEAN_COMMANDS[1:]:
+        if render(commands + [extra]).count("\n") <= LEAN_LINES:
+            commands.append(extra)
+    return render(commands)
 
 
 def plant(source, bug):
@@ -527,7 +721,8 @@ def main(argv=None):
     p.add_argument("file", nargs="?", choices=sorted(EXERCISES), help="the technique file")
     p.add_argument("--out", help="directory for your copy (then: pytest --impl DIR)")
     p.add_argument("--list", action="store_true", help="print every file's exercises")
-    p.add_argument("--core", action="store_true", help="write the core alone (cut at the banner) and gpt2.py: the handout")
+    p.add_argument("--core", action="store_true", help="write the core alone (cut at the banner) and a gpt2.py of only "
+                                                       "what it uses: the handout")
     p.add_argument("--bug", help="N: write a copy with zoo bug N planted; list: list FILE's zoo (every file's without FILE)")
     p.add_argument("--check", action="store_true", help="for maintainers: the round trip of FILE (or every file) and "
                                                         "every zoo bug caught by its test")
@@ -545,7 +740,11 @@ def main(argv=None):
                     print(f"{name} bug {n} ({bug_name}): {'caught' if caught else 'MISSED'}"
                           f"{'' if named or not caught else ', NOT NAMED'} | {line}", flush=True)
         sys.exit(1 if failed else 0)
-    if a.bug == "list" or (a.bug is None and (a.list or not a.file) and not a.core):
+    if not a.file and not a.list and a.bug != "list":  # --out, --core or --bug N act on one file
+        print("error: which file (FILE): give a technique file, e.g. `python tests/exercise.py ddp.py --out mine`; "
+              "--list shows every file's exercises", file=sys.stderr)
+        sys.exit(2)
+    if a.bug == "list" or (a.bug is None and a.list):
         if a.bug == "list":
             for f in [a.file] if a.file else BUGS:
                 for n, (bug_name, _, _, symptom, test, _) in enumerate(BUGS[f], 1):
@@ -556,8 +755,6 @@ def main(argv=None):
             for n, (dotted, what) in enumerate(items, 1):
                 print(f"  exercise {n}: {dotted}: {what}")
         return
-    if not a.file:
-        sys.exit("error: which file (FILE): give a technique file, e.g. ddp.py")
     if not a.out:
         sys.exit("error: where to write your copy (--out): give a directory, e.g. --out mine")
     if os.path.exists(a.out) and not os.path.isdir(a.out):
@@ -565,6 +762,10 @@ def main(argv=None):
     dst = os.path.join(a.out, a.file)
     if os.path.exists(dst):
         sys.exit(f"error: {dst} exists (--out): your work is never overwritten; choose another directory")
+    mine = os.path.join(a.out, "gpt2.py")
+    if a.core and os.path.exists(mine) and LEAN_NOTE not in open(mine).read():
+        sys.exit(f"error: {mine} exists and is not a handout's (--out): your work is never overwritten; "
+                 f"choose another directory")
     with open(os.path.join(root, a.file)) as f:
         source = f.read()
     if a.bug is not None:
@@ -573,7 +774,7 @@ def main(argv=None):
         text, what = plant(source, BUGS[a.file][int(a.bug) - 1]), f"bug {a.bug} planted (symptom: " \
             f"{BUGS[a.file][int(a.bug) - 1][3]})"
     elif a.core:
-        text, what = core_copy(source), "its core alone"
+        text, what = handout_copy(a.file, source), "its core alone"
     else:
         text, what = cut(source, EXERCISES[a.file]), f"{len(EXERCISES[a.file])} exercises"
     os.makedirs(a.out, exist_ok=True)
@@ -581,10 +782,21 @@ def main(argv=None):
         f.write(text)
     if a.core:
         import shutil
-        if not os.path.exists(os.path.join(a.out, "gpt2.py")):
-            shutil.copy(os.path.join(root, "gpt2.py"), os.path.join(a.out, "gpt2.py"))
-        print(f"wrote {dst} ({what}, {text.count(chr(10))} lines) and {a.out}/gpt2.py; run it with: "
-              f"torchrun --nproc_per_node=2 {dst}")
+        cores = [text] + [open(os.path.join(a.out, f)).read() for f in EXERCISES if f != a.file
+                          and os.path.exists(os.path.join(a.out, f))]  # a second handout in DIR keeps what it uses
+        with open(os.path.join(root, "gpt2.py")) as f:
+            lean = lean_gpt2(f.read(), cores)
+        with open(mine, "w") as f:  # a handout's own gpt2.py: rewritten for every core in DIR
+            f.write(lean)
+        data, have = os.path.join(a.out, COURSE_DATA), os.path.join(root, COURSE_DATA)
+        if os.path.isdir(have) and not os.path.exists(data):
+            shutil.copytree(have, data)
+        print(f"wrote {dst} ({what}, {text.count(chr(10))} lines) and {a.out}/gpt2.py ({lean.count(chr(10))} lines, "
+              f"what the core uses)")
+        if not os.path.isdir(data):
+            print(f"the lesson reads the course data; from the repository: python gpt2.py prepare shakespeare-char "
+                  f"--out {data}")
+        print(f"run it from {a.out}: {lesson_command(a.file, source)}")
         return
     print(f"wrote {dst} with {what}; test it with: python -m pytest -q --impl {a.out} tests/test_{a.file[:-3]}.py")
 

@@ -378,6 +378,26 @@ def test_rank_stops_when_its_launcher_dies(random_data, tmp_path):
             os.killpg(launcher.pid, signal.SIGKILL)
 
 
+# The tools under tests/ that a user types too (issue 36): (script, flags, text the one line must contain)
+TOOL_CASES = [
+    ("tests/exercise.py", ["--out", "{tmp}/mine"], "(FILE)"),
+    ("tests/exercise.py", ["--core"], "(FILE)"),
+    ("tests/gpu_check.py", ["--minutes", "0"], "(--minutes)"),
+    ("tests/gpu_check.py", ["--minutes", "-1", "--dry-run"], "(--minutes)"),
+]
+
+
+@pytest.mark.parametrize("case", TOOL_CASES, ids=[f"{c[0]} {' '.join(c[1])}" for c in TOOL_CASES])
+def test_tool_bad_input_is_one_line_and_exit_2(case, tmp_path):
+    script, flags, where = case
+    proc = subprocess.run([sys.executable, script, *[f.format(tmp=tmp_path) for f in flags]], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and where in lines[0], \
+        f"{script} {' '.join(flags)}: exit {proc.returncode}, stderr {proc.stderr[-500:]!r}"
+    assert not (tmp_path / "mine").exists(), "a refused run wrote its directory"
+
+
 if __name__ == "__main__":  # the table for a closing note: case, exit code, message
     import tempfile
     from pathlib import Path

@@ -159,6 +159,11 @@ def test_the_mean_gradient_after_one_step_at_grad_accum_2_equals_gpt2s(one_step,
             "not a mean; 0.5: divided twice)"
         assert torch.allclose(g, ref[name].reshape(-1), rtol=1e-4, atol=1e-7), f"mean gradient after one step, {name}: " \
             f"differs from gpt2.py's by {(g - ref[name].reshape(-1)).abs().max():.2e} (not a scale: the flat layout?)"
+    # metrics.jsonl's grad_norm of step 0: the norm of that mean gradient, before any clipping
+    norm = torch.stack([g.square().sum() for g in ref.values()]).sum().sqrt().item()
+    logged = [r["grad_norm"] for r in read_metrics(f"{root}/two") if "loss" in r][0]
+    assert abs(logged / norm - 1) < 1e-5, f"grad_norm logged at step 0: {logged}, the gradient's norm {norm} (it must " \
+        "be the norm of the mean gradient over all ranks, before clipping)"
     # and the losses of both steps: checkpoint.py 2 ranks x 2 x --grad-accum 2 = gpt2.py with one batch of 8
     gpt2.train(flags(shakespeare, str(tmp_path / "gpt2"), 8, "--grad-clip", "0", "--steps", "2"))
     assert_close("train loss, checkpoint.py 2 ranks --batch-size 2 --grad-accum 2 vs gpt2.py --batch-size 8 (fp32)",
@@ -424,19 +429,90 @@ def test_sigkill_while_saving_leaves_a_resumable_checkpoint(straight, shakespear
                  train_losses(f"{straight}/straight")[max(committed):], 1e-5)
 
 
-def test_torchrun_max_restarts_after_a_worker_dies(straight, shakespeare, tmp_path):
+def test_torchrun_max_restarts_after_a_worker_dies_at_a_save(straight, shakespeare, tmp_path):
+    """The core (no --safe): rank 1 dies right after it starts the save of step 12 (--fail-at 12); it waits for
+    that save's commit first, so torchrun's restart resumes from step 12, not 8, and ends on the straight curve."""
     out_dir = str(tmp_path / "elastic")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
            "--monitor-interval=0.1", script("checkpoint.py")] + \
-        flags(shakespeare, out_dir, 4, "--ckpt-dir", str(tmp_path / "ck"), "--save-every", "4", "--safe", "--fail-at", "13")
+        flags(shakespeare, out_dir, 4, "--ckpt-dir", str(tmp_path / "ck"), "--save-every", "4", "--fail-at", "12")
     env = launch_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # see checkpoint.py
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
-    assert "--fail-at 13: exiting abruptly" in log
-    assert "resumed from step 12" in log or "resumed from step 8" in log, log[-3000:]
+    assert "[rank 1] --fail-at 12: exiting abruptly" in log, log[-3000:]
+    assert "resumed from step 12" in log, "the dying rank must wait for its save in flight to be committed " \
+        f"(AsyncCheckpointer.wait before os._exit): {[ln for ln in log.splitlines() if 'resumed' in ln]}"
+    assert "Exception in thread" not in log, log[-3000:]  # the writer thread's failure, if any, is one line
     losses = train_losses(out_dir)
     assert losses == train_losses(f"{straight}/straight")  # all 20 steps, bit-exact, final loss included
+
+
+LOSE_RANK_1_WHILE_SAVING = """
+import os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
+import checkpoint, gpt2
+write = checkpoint.write_durably
+checkpoint.write_durably = lambda path, data: os._exit(1) if path.endswith(".pt") else write(path, data)
+sys.argv = sys.argv[1:]
+gpt2.run_main(checkpoint.cli, sys.argv[1:])
+"""
+
+
+def test_a_peer_lost_during_a_background_save_is_one_line(shakespeare, tmp_path):
+    """Rank 1 dies while writing the last step's shard; rank 0's writer thread is in the all-gather of the
+    reports and its training thread waits for it: one line on rank 0 (it used to print the thread's traceback)."""
+    ck, port = str(tmp_path / "ck"), free_port()
+    argv = flags(shakespeare, str(tmp_path / "out"), 4, "--ckpt-dir", ck, "--save-every", "2", "--steps", "2")
+    procs = [subprocess.Popen([sys.executable, *(["-c", LOSE_RANK_1_WHILE_SAVING] if r else []), script("checkpoint.py"),
+                               *argv], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=launch_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
+                                              "LOCAL_RANK": str(r), "WORLD_SIZE": "2"})) for r in range(2)]
+    try:
+        errs = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == 1 and errs[1] == "", errs[1]
+    lines = errs[0].strip().splitlines()
+    assert procs[0].returncode == 3 and len(lines) == 1 and lines[0].startswith(
+        "error: another rank of the job is gone ("), errs[0]
+    assert not os.path.exists(f"{ck}/step_000002/manifest.json")
+
+
+def test_every_checkpoint_flag_acts(shakespeare, tmp_path, monkeypatch, capsys):
+    """A flag read but not applied fails here: each one picks its checkpointer (in the core's main() too),
+    --save-every saves on its schedule and after the last step, --naive blocks the step for the write."""
+    picked, real_train = [], checkpoint.train
+    monkeypatch.setattr(checkpoint, "train", lambda args, Checkpointer: picked.append(Checkpointer.__name__))
+    for n, extra in enumerate(([], ["--naive"], ["--pinned"], ["--safe"])):
+        checkpoint.cli(flags(shakespeare, str(tmp_path / f"pick{n}"), 8, "--ckpt-dir", str(tmp_path / f"ck{n}"),
+                             "--save-every", "1", *extra))
+    for extra in ([], ["--naive"]):
+        checkpoint.main(flags(shakespeare, str(tmp_path / "core"), 8, "--ckpt-dir", str(tmp_path / "ckc"),
+                              "--save-every", "1", *extra))
+    for flag in ("--naive", "--pinned"):  # nothing to save: the flag could not act, so it is refused
+        code, _, err = cli(flags(shakespeare, str(tmp_path / "none"), 8, "--ckpt-dir", str(tmp_path / "ckn"), flag),
+                           capsys)
+        assert (code, err) == (2, f"error: {flag} without --save-every: nothing would be saved ({flag}): add "
+                                  f"--save-every N, or drop {flag}\n"), err
+    assert picked == ["AsyncCheckpointer", "SyncCheckpointer", "PinnedSnapshots", "SafeCheckpointer",
+                      "AsyncCheckpointer", "SyncCheckpointer"], picked
+    monkeypatch.setattr(checkpoint, "train", real_train)
+    for kind, extra in (("async", []), ("naive", ["--naive"])):
+        ck, out_dir = str(tmp_path / f"ck_{kind}"), str(tmp_path / kind)
+        code, out, err = cli(flags(shakespeare, out_dir, 8, "--ckpt-dir", ck, "--save-every", "2", "--steps", "5",
+                                   *extra), capsys)
+        assert code == 0 and steps_in(ck) == ["step_000002", "step_000004", "step_000005"], (err, steps_in(ck))
+        summary = read_metrics(out_dir)[-1]["summary"]
+        where = "in a background thread" if kind == "async" else "on the training thread"
+        closing = [ln for ln in out.splitlines() if ln.startswith("checkpoint: ")]
+        assert len(closing) == 2 and closing[0] == f"checkpoint: 3 saves of {summary['shard_mb']:.2f} MB a rank; " \
+            f"write + commit {summary['write_ms']:.1f} ms per save, {where}", closing
+        assert summary["saves"] == 3 and summary["background"] == (kind == "async"), summary
+        if kind == "naive":  # the step waited for the write and the commit: they lie inside the blocked time
+            assert summary["blocked_ms"] >= summary["write_ms"], summary
+        assert all(isinstance(r["grad_norm"], float) and r["grad_norm"] > 0 for r in read_metrics(out_dir) if "loss" in r)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -539,21 +615,92 @@ def test_corrupt_only_refuses_a_fresh_start_unless_allowed(straight, shakespeare
                  train_losses(f"{straight}/straight")[:3], 1e-5)
 
 
-def test_a_changed_schedule_or_batch_is_refused_on_resume(straight, shakespeare, tmp_path, capsys):
+def test_a_resume_with_other_flags_is_refused_in_one_line_naming_the_flag(straight, shakespeare, tmp_path, capsys):
+    """The core (no --safe) compares the checkpoint's model shape, --seq-len, global batch and schedule with the
+    flags before anything is loaded: a larger --n-embd used to fill the new elements from torch.empty."""
     ck = str(tmp_path / "ck")
     shutil.copytree(f"{straight}/ck_async", ck)
     before, out_dir = tree(ck), str(tmp_path / "out")
-    todo = "resume with the checkpoint's values (a different world size with the same global batch is fine), or give another --ckpt-dir"
-    code, _, err = cli(flags(shakespeare, out_dir, 8, "--ckpt-dir", ck, "--safe", "--lr", "1e-3"), capsys)
-    assert code == 2 and err == f"error: {ck}/step_000020 was written with --lr 0.003, this run has --lr 0.001 (--lr): {todo}\n"
-    code, _, err = cli(flags(shakespeare, out_dir, 8, "--ckpt-dir", ck, "--safe", "--steps", "30", "--warmup", "2"), capsys)
-    assert code == 2 and err.startswith(f"error: {ck}/step_000020 was written with --warmup 5 --steps 20, this run has "
-                                        f"--warmup 2 --steps 30 (--warmup --steps): ")
-    code, _, err = cli(flags(shakespeare, out_dir, 4, "--ckpt-dir", ck, "--safe"), capsys)
-    assert code == 2 and "global batch 8, this run has --batch-size/--grad-accum global batch 4 = 1 ranks x 4 x 1" in err
+    todo = ("resume with the checkpoint's values (another world size with the same global batch is fine), or give "
+            "another --ckpt-dir\n")
+    for extra, was, has, flag in (
+            (["--lr", "1e-3"], "--lr 0.003", "--lr 0.001", "--lr"),
+            (["--seq-len", "64"], "--seq-len 32", "--seq-len 64", "--seq-len"),
+            (["--n-embd", "64"], "--n-embd 32", "--n-embd 64", "--n-embd"),
+            (["--steps", "30", "--warmup", "2"], "--warmup 5 --steps 20", "--warmup 2 --steps 30", "--warmup --steps"),
+            (["--batch-size", "4"], "a global batch of 8",
+             "a global batch of 4 (1 rank x --batch-size 4 x --grad-accum 1)", "--batch-size")):
+        argv = flags(shakespeare, out_dir, 8, "--ckpt-dir", ck)
+        code, out, err = cli(argv + extra, capsys)  # the later flag wins in argparse
+        assert (code, err) == (2, f"error: {ck}/step_000020 was written with {was}, this run has {has} ({flag}): {todo}"), \
+            f"resume with {' '.join(extra)}: exit {code}, stderr {err!r} (expected the one-line refusal naming {flag})"
+        assert "resumed" not in out and not os.path.exists(f"{out_dir}/metrics.jsonl"), "nothing may be loaded or trained"
     code, _, err = cli(flags(shakespeare, out_dir, 8, "--ckpt-dir", ck, "--safe", "--n-embd", "64"), capsys)
-    assert code == 2 and "written with --n-embd n_embd=32, this run has --n-embd n_embd=64 (--n-embd)" in err
+    assert (code, err) == (2, f"error: {ck}/step_000020 was written with --n-embd 32, this run has --n-embd 64 "
+                              f"(--n-embd): {todo}"), "--safe refuses with the core's line"
     assert tree(ck) == before
+
+
+def flip_a_byte(path, at=None):
+    with open(path, "r+b") as f:  # one flipped bit deep inside the tensor data
+        f.seek(os.path.getsize(path) // 2 if at is None else at)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def crc_line(path):
+    """The core's words for a shard whose bytes differ from the manifest's CRC-32."""
+    with open(f"{os.path.dirname(path)}/manifest.json") as f:
+        listed = next(sh["crc32"] for sh in json.load(f)["shards"] if sh["file"] == os.path.basename(path))
+    return f"{path} fails its CRC-32 (read crc32 {zlib.crc32(checkpoint.read_bytes(path)):08x}, the manifest lists " \
+           f"{listed:08x})"
+
+
+def test_the_core_verifies_every_shard_and_falls_back_to_the_newest_commit_that_verifies(straight, shakespeare,
+                                                                                        tmp_path, capsys):
+    """No --safe: a flipped byte in the newest shard (it used to resume on, loss 298,392,256) and a commit missing a
+    shard are skipped in one line each, left in place; the resume from step 10 ends on the straight curve."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(f"{straight}/ck_async", ck)
+    shutil.copytree(f"{ck}/step_000020", f"{ck}/step_000030")  # a newer commit that lost a shard
+    with open(f"{ck}/step_000030/manifest.json") as f:
+        man = json.load(f)
+    with open(f"{ck}/step_000030/manifest.json", "w") as f:
+        json.dump(dict(man, step=30), f)
+    os.remove(f"{ck}/step_000030/rank00001-of-00002.pt")
+    flip_a_byte(f"{ck}/step_000020/rank00000-of-00002.pt")
+    kept, out_dir = tree(ck), str(tmp_path / "out")
+    code, out, err = cli(flags(shakespeare, out_dir, 8, "--ckpt-dir", ck), capsys)
+    lines = [ln for ln in out.splitlines() if not ln.startswith("step ")]
+    assert (code, err) == (0, ""), err
+    expected = [f"checkpoint step 30: {ck}/step_000030/rank00001-of-00002.pt is missing: skipped, left in place",
+                f"checkpoint step 20: {crc_line(f'{ck}/step_000020/rank00000-of-00002.pt')}: skipped, left in place",
+                "resharding: written by 2 ranks, loaded by 1", "resumed from step 10"]
+    assert lines[:4] == expected, "the core must verify every shard against the manifest's size and CRC-32 before " \
+        f"loading it, and fall back to the previous commit in one line: printed {lines[:4]}, expected {expected}"
+    assert tree(ck) == kept  # nothing moved, nothing deleted
+    assert_close("train loss, the core resumed on 1 rank from step 10 past a corrupt step 20 vs the 2-rank run",
+                 train_losses(out_dir), train_losses(f"{straight}/straight")[10:], 2e-7, steps=list(range(10, STEPS)),
+                 hint="read_slices must check each shard's bytes against the manifest's CRC-32 before loading it")
+
+
+def test_the_core_stops_in_one_line_when_no_commit_verifies(straight, shakespeare, tmp_path, capsys):
+    for fault in ("flipped", "missing"):
+        ck = str(tmp_path / fault)
+        shutil.copytree(f"{straight}/ck_async/step_000020", f"{ck}/step_000020")
+        shard = f"{ck}/step_000020/rank0000{int(fault == 'missing')}-of-00002.pt"
+        if fault == "flipped":
+            flip_a_byte(shard)
+            why = crc_line(shard)
+        else:
+            os.remove(shard)
+            why = f"{shard} is missing"
+        kept = tree(ck)
+        code, out, err = cli(flags(shakespeare, str(tmp_path / f"out_{fault}"), 8, "--ckpt-dir", ck), capsys)
+        assert (code, err) == (2, f"error: checkpoint step 20: {why}, and no older commit verifies (--ckpt-dir): "
+                                  "restore the file from a copy, or give another --ckpt-dir and --out to start over\n")
+        assert "resumed" not in out and tree(ck) == kept
 
 
 def test_a_failed_background_save_fails_the_next_step(shakespeare, tmp_path, capsys, monkeypatch):

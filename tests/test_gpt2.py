@@ -369,8 +369,8 @@ def test_gpu_check_refuses_in_one_line_without_cuda():
     """tests/gpu_check.py is the command for a GPU machine; here (no CUDA) it must say so in one line."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gpu_check.py")], capture_output=True,
                           text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-    assert proc.stdout.count("\n") == 1 and "no CUDA device here" in proc.stdout
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout  # not a pass: nothing was checked
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: no CUDA device here"), proc.stderr
 
 
 def test_a_diverged_last_update_is_never_saved(random_data, tmp_path, monkeypatch, capsys):
