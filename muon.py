@@ -29,12 +29,13 @@ on ~1/N of the matrices. Newton-Schulz runs in the run's dtype (fp32 with --dtyp
 The run ends with the payoff: NS GFLOP per step on rank 0 vs every matrix (what --naive runs on
 every rank), and the stable rank of one matrix's momentum u and of its update NS5(u): a few
 directions carry u, nearly all carry NS5(u).
-    torchrun --nproc_per_node=2 muon.py --steps 30 --seq-len 128 --data data/shakespeare_char --out out/m
+    torchrun --nproc_per_node=2 muon.py --steps 30 --seq-len 128 --data data/shakespeare_char \\
+        --out out/m
 prints (its loss falls 4.17 -> 2.75; AdamW's to 2.82 with --optimizer adamw and a new --out):
-    saved out/m | Newton-Schulz per step: 1.2583 GFLOP on rank 0, 2.5166 for every matrix (what --naive
-    runs on every rank)
-    Muon's update of h.0.mlp.c_proj.weight: stable rank 3.8 for the momentum u, 77.5 for NS5(u), of 128
-    directions
+    saved out/m | Newton-Schulz per step: 1.2583 GFLOP on rank 0, 2.5166 for every matrix (what
+    --naive runs on every rank)
+    Muon's update of h.0.mlp.c_proj.weight: stable rank 3.8 for the momentum u, 77.5 for NS5(u),
+    of 128 directions
 Read first: Muon.reduce_grads, Muon.update, Muon.all_gather_params, train. References: the appendix.
 """
 import argparse
