@@ -343,7 +343,7 @@ BUGS = {
          "one_sgd_step", "clip_global_grad_norm"),
         ("--naive takes its local expert ids for global ones", "(picks == self.first + e)", "(picks == e)",
          "--naive on several ranks: every rank runs its experts on the tokens of experts 0..E/ep-1",
-         "expert_parallel_equals_one_process", "naive4 fp32 vs reference"),
+         "expert_parallel_equals_one_process", "NaiveMoE layer, EP=4 vs one process"),
         ("expert counts not summed over the ranks", "                dist.all_reduce(c)\n", "                c = c * 1\n",
          "each rank balances its own batch: the aux loss, drop rate and expert-load picture differ from one rank's",
          "expert_parallel_equals_one_process", "expert loads differ"),
